@@ -1,0 +1,1 @@
+"""The GPT model, its value paths and its derived sizes."""

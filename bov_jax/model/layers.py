@@ -1,0 +1,77 @@
+"""Stateless building blocks: RMSNorm, rotary embedding, windowed attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32_EPS = float(jnp.finfo(jnp.float32).eps)
+
+
+def rms_norm(x: jax.Array) -> jax.Array:
+    """Parameter-free RMSNorm over the last axis, computed in fp32.
+
+    x: (..., D) -> (..., D) in x's dtype; eps = float32 machine epsilon (spec 1.2).
+    """
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + F32_EPS)
+    return y.astype(x.dtype)
+
+
+def rotary_tables(positions: jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin for the given positions.
+
+    positions: (T,) or (B, T) int -> cos, sin of shape positions.shape + (head_dim // 2,), fp32.
+    """
+    inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Half-split rotary with the reference's sign (a rotation by -theta).
+
+    x: (B, T, H, hd); cos, sin: (T, hd/2) or (B, T, hd/2). Returns x's shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], axis=-1)
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, implementation: str
+) -> jax.Array:
+    """Causal self-attention where query i sees keys j with 0 <= i - j <= window.
+
+    q, k, v: (B, T, H, hd) -> (B, T, H, hd). Softmax scale 1/sqrt(hd).
+    """
+    seq = q.shape[1]
+    local = None if window >= seq - 1 else (window, 0)
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=local, implementation=implementation
+    )
+
+
+def cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_positions: jax.Array,
+    k_length: jax.Array,
+    window: int,
+) -> jax.Array:
+    """Attention of new queries over a cache of keys/values (decoding).
+
+    q: (B, Tq, H, hd) at absolute positions q_positions (Tq,); k, v: (B, Tk, H, hd) where
+    slots >= k_length are empty. Query at p sees key slot j iff j <= p, p - j <= window
+    and j < k_length. Returns (B, Tq, H, hd).
+    """
+    slots = jnp.arange(k.shape[1])
+    p = q_positions[:, None]
+    mask = (slots[None, :] <= p) & (p - slots[None, :] <= window) & (slots[None, :] < k_length)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="xla")

@@ -1,0 +1,120 @@
+"""Model sizes derived from `config.model` (spec 1.1 and 1.3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from bov_jax.model.values import ValuePathSpec
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Every size and choice the model needs, resolved once from the config."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab: int
+    seq_len: int
+    windows: tuple[int, ...]
+    rope_base: float
+    qk_scale: float
+    mlp_ratio: int
+    smear_channels: int
+    logit_softcap: float
+    param_dtype: Any
+    compute_dtype: Any
+    attention_impl: str
+    value_path: ValuePathSpec
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        return self.value_path.target_layers(self.n_layer)
+
+    @property
+    def init_bound(self) -> float:
+        """Uniform bound s = sqrt(3/d): the std of N(0, 1/sqrt(d)) (spec 1.4)."""
+        return math.sqrt(3.0) / math.sqrt(self.d_model)
+
+    @classmethod
+    def from_config(cls, m: Any) -> ModelSpec:
+        """Resolve `config.model`; raises ValueError naming the offending key."""
+        for key in ("depth", "aspect_ratio", "head_dim", "vocab_size", "pad_vocab_to", "seq_len"):
+            if int(m[key]) <= 0:
+                raise ValueError(f"model.{key}={m[key]}; expected a positive integer")
+        if m.model_dim < 0 or m.model_dim % m.head_dim:
+            raise ValueError(
+                f"model.model_dim={m.model_dim}; expected 0 (derive from depth) or a positive "
+                f"multiple of model.head_dim={m.head_dim}"
+            )
+        for key in ("param_dtype", "compute_dtype"):
+            if m[key] not in DTYPES:
+                raise ValueError(f"model.{key}={m[key]!r}; expected one of {tuple(DTYPES)}")
+        if m.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"model.attention_impl={m.attention_impl!r}; expected one of {ATTENTION_IMPLS}"
+            )
+        if not m.window_pattern or set(m.window_pattern.upper()) - {"S", "L"}:
+            raise ValueError(
+                f"model.window_pattern={m.window_pattern!r}; expected a string of 'S' and 'L'"
+            )
+        if m.short_window < 0:
+            raise ValueError(f"model.short_window={m.short_window}; expected 0 (derived) or > 0")
+        if m.head_dim % 2:
+            raise ValueError(f"model.head_dim={m.head_dim}; rotary needs an even head dim")
+        d = m.model_dim or model_dim(m.depth, m.aspect_ratio, m.head_dim)
+        if m.smear_channels > d:
+            raise ValueError(f"model.smear_channels={m.smear_channels} exceeds model width {d}")
+        return cls(
+            n_layer=m.depth,
+            d_model=d,
+            n_head=d // m.head_dim,
+            head_dim=m.head_dim,
+            vocab_size=m.vocab_size,
+            padded_vocab=-(-m.vocab_size // m.pad_vocab_to) * m.pad_vocab_to,
+            seq_len=m.seq_len,
+            windows=window_sizes(m.depth, m.window_pattern, m.seq_len, m.short_window),
+            rope_base=float(m.rope_base),
+            qk_scale=float(m.qk_scale),
+            mlp_ratio=m.mlp_ratio,
+            smear_channels=m.smear_channels,
+            logit_softcap=float(m.logit_softcap),
+            param_dtype=DTYPES[m.param_dtype],
+            compute_dtype=DTYPES[m.compute_dtype],
+            attention_impl=m.attention_impl,
+            value_path=ValuePathSpec.from_config(m.value_path),
+        )
+
+
+def model_dim(depth: int, aspect_ratio: int, head_dim: int) -> int:
+    """depth * aspect_ratio rounded up to a multiple of head_dim (spec 1.1)."""
+    return -(-depth * aspect_ratio // head_dim) * head_dim
+
+
+def window_sizes(n_layer: int, pattern: str, seq_len: int, short: int = 0) -> tuple[int, ...]:
+    """Left attention window per layer (spec 1.3); the last layer is always long.
+
+    A query at i sees keys j with 0 <= i - j <= window. Long = seq_len;
+    short = seq_len / 4 rounded up to a multiple of 128 (512 at 2048) unless
+    `short` > 0 overrides it (small test models).
+    """
+    if not short:
+        short = math.ceil(math.ceil(seq_len / 4) / 128) * 128
+    short = min(short, seq_len)
+    pattern = pattern.upper()
+    sizes = [seq_len if pattern[i % len(pattern)] == "L" else short for i in range(n_layer)]
+    sizes[-1] = seq_len
+    return tuple(sizes)

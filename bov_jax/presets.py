@@ -1,0 +1,133 @@
+"""Named presets: one per row of the paper's tables (spec 2.5).
+
+Each preset is a depth plus a value-path composition; `config_for(name)` turns it into
+a full config. `python -m bov_jax.presets` lists them with the paper row they reproduce
+and the reference's `--model-type`.
+
+  configs/d12.py, d12_bov.py, d24.py, d24_bov.py    the four headline configs
+  configs/ablations.py:<name>                        any preset below
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from bov_jax.config import default_config
+
+# The paper's compute budgets: d12 runs at 1.5e18 FLOPs (Table 1); the d24 configs
+# default to the 100B-token horizon, and the paper's d24 runs use 3.91e19 FLOPs.
+D12_TARGET_FLOPS = 1.5e18
+D24_TARGET_TOKENS = 100_000_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    depth: int
+    paper: str
+    reference: str  # the authors' --model-type (arch_d{depth}_<reference>)
+    source: str = "residual"
+    combine: str = "replace"
+    scale: str = "none"
+    layers: str = "last_third"
+    bank_shared: bool = False
+    bank_init: str = "aligned"
+
+    def value_path(self) -> dict:
+        keys = ("source", "combine", "scale", "layers", "bank_shared", "bank_init")
+        return {k: getattr(self, k) for k in keys}
+
+
+def _d12(paper: str, reference: str, **vp) -> Preset:
+    return Preset(12, paper, reference, **vp)
+
+
+def _d24(paper: str, reference: str, **vp) -> Preset:
+    return Preset(24, paper, reference, **vp)
+
+
+BANK = dict(source="bank", combine="replace", scale="learned")
+
+PRESETS: dict[str, Preset] = {
+    # Table 1 (d12, val BPB): Output / Target / Coeff.
+    "d12": _d12("Table 1 row 1: V / - / -", "gpt_base"),
+    "d12_v_learn": _d12("Table 1 row 2: V / last 4 / gamma", "gpt_base_v_scale_learn",
+                        scale="learned"),
+    "d12_v1_every_layer": _d12("Table 1 row 3: V1 / all 12 / 1 (targets 1..11)",
+                               "gpt_base_v_from_v1_every_layer", source="v1", layers="all"),
+    "d12_v1_learn_every2": _d12("Table 1 row 4: V1 / every 2 / gamma",
+                                "gpt_base_v_from_v1_learn_every2", source="v1",
+                                scale="learned", layers="every_other"),
+    "d12_v1": _d12("Table 1 row 5: V1 / last 4 / 1", "gpt_base_v_from_v1", source="v1"),
+    "d12_v1_learn": _d12("Table 1 row 6: V1 / last 4 / gamma", "gpt_base_v_from_v1_learn",
+                         source="v1", scale="learned"),
+    "d12_x0_learn_every2": _d12("Table 1 row 7: x0WV / every 2 / gamma",
+                                "gpt_base_v_from_x0_learn_every2", source="x0",
+                                scale="learned", layers="every_other"),
+    "d12_x0": _d12("Table 1 row 8: x0WV / last 4 / 1", "gpt_base_v_from_x0", source="x0"),
+    "d12_x0_learn": _d12("Table 1 row 9: x0WV / last 4 / gamma", "gpt_base_v_from_x0_learn",
+                         source="x0", scale="learned"),
+    "d12_add_v1": _d12("Table 1 row 10: V+V1 / last 4 / 0.5", "gpt_base_add_init_v",
+                       source="v1", combine="add", scale="fixed"),
+    "d12_add_v1_learn": _d12("Table 1 row 11: V+V1 / last 4 / alpha, beta",
+                             "gpt_base_add_init_v_learn", source="v1", combine="add",
+                             scale="learned"),
+    "d12_add_x0": _d12("Table 1 row 12: V+x0WV / last 4 / 0.5", "gpt_base_add_init_res_v",
+                       source="x0", combine="add", scale="fixed"),
+    "d12_add_x0_learn": _d12("Table 1 row 13: V+x0WV / last 4 / alpha, beta",
+                             "gpt_base_add_init_res_v_learn", source="x0", combine="add",
+                             scale="learned"),
+    # Figure 5(b) (d12 BoV component ablation).
+    "d12_bov": _d12("Fig. 5(b): BoV", "gpt_base_v_from_value_emb_learn", **BANK),
+    "d12_bov_no_coeff": _d12("Fig. 5(b): no coeff.", "gpt_base_v_from_value_emb",
+                             source="bank"),
+    "d12_bov_every_layer": _d12("Fig. 5(b): every layer (12 tables)",
+                                "gpt_base_v_from_value_emb_learn_every_layer", **BANK,
+                                layers="all"),
+    "d12_bov_shared": _d12("Fig. 5(b): shared table", "gpt_base_v_from_value_emb_learn_shared",
+                           **BANK, bank_shared=True),
+    "d12_bov_add_v": _d12("Fig. 5(b): add V (inferred: alpha V + beta E)",
+                          "gpt_base_add_init_value_emb_learn", source="bank", combine="add",
+                          scale="learned"),
+    # Tables 2-5 (d24, val BPB / CORE).
+    "d24": _d24("Table 2 row 1: baseline", "gpt_base"),
+    "d24_bov": _d24("Table 2 row 2: BoV", "gpt_base_v_from_value_emb_learn", **BANK),
+    "d24_x0_learn": _d24("Table 2 row 3: x0WV / gamma", "gpt_base_v_from_x0_learn",
+                         source="x0", scale="learned"),
+    "d24_v1_learn": _d24("Table 2 row 4: V1 / gamma", "gpt_base_v_from_v1_learn",
+                         source="v1", scale="learned"),
+    "d24_v1_every_layer": _d24("Table 2 row 5: V1 every layer (SVFormer-like, 1..23)",
+                               "gpt_base_v_from_v1_every_layer", source="v1", layers="all"),
+    "d24_ve_gated": _d24("Tables 3/5: V + E_v[i] (modded-nanogpt style)",
+                         "gpt_base_add_init_value_emb_nanogpt_every2", source="bank",
+                         combine="gated_add", layers="every_other", bank_init="uniform"),
+}
+
+
+def config_for(name: str) -> ml_collections.ConfigDict:
+    """The full config of a preset: reference defaults plus depth, value path, horizon."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    config = default_config()
+    config.name = name
+    config.model.depth = preset.depth
+    config.model.value_path.update(preset.value_path())
+    if preset.depth == 24:
+        config.train.target_tokens = D24_TARGET_TOKENS
+        config.train.device_batch_size = 8
+    else:
+        config.train.target_flops = D12_TARGET_FLOPS
+    return config
+
+
+def main() -> None:
+    width = max(map(len, PRESETS))
+    print(f"{'preset':{width}}  {'paper row':58}  reference --model-type")
+    for name, p in PRESETS.items():
+        print(f"{name:{width}}  {p.paper:58}  {p.reference}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""The d24 (780M) baseline of Table 2, row 1, on the 100B-token horizon.
+
+Use --config.train.target_flops=... to set another budget; see bov_jax/presets.py.
+"""
+
+from bov_jax.presets import config_for
+
+
+def get_config():
+    return config_for("d24")
