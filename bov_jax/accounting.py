@@ -40,7 +40,9 @@ class ParamCounts:
 
     @property
     def total_reference(self) -> int:
-        return self.wte + self.lm_head + self.transformer_matrices + self.scalars + self.value_embeds
+        return (
+            self.wte + self.lm_head + self.transformer_matrices + self.scalars + self.value_embeds
+        )
 
     @property
     def total(self) -> int:
@@ -60,8 +62,9 @@ def param_counts(spec: ModelSpec) -> ParamCounts:
     coefficients = sum(len(vp.coefficient_names(True)) for _ in targets)
     gates = GATE_CHANNELS * spec.n_head * len(targets) if vp.combine == "gated_add" else 0
     dead = sum(d * kv for i in targets if not vp.owns_projection(True))
-    extra_calls = sum((vp.projection_calls(True) - 1) * d * kv for i in targets
-                      if vp.projection_calls(True) > 1)
+    extra_calls = sum(
+        (vp.projection_calls(True) - 1) * d * kv for i in targets if vp.projection_calls(True) > 1
+    )
     n_tables = (1 if vp.bank_shared else len(targets)) if vp.uses_bank else 0
     matrices = spec.n_layer * per_block + coefficients + gates
     lm_head = spec.padded_vocab * d

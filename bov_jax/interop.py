@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +59,11 @@ def _mapping(model: GPT) -> Iterator[tuple[str, tuple, bool]]:
             yield f"{h}.attn.ve_gate.weight", path, True
         if hasattr(value, "bank") and id(value.bank) not in seen_banks:
             seen_banks.add(id(value.bank))
-            yield f"value_embeds.{i}.weight", ("blocks", i, "attn", "value", "bank", "embedding"), False
+            yield (
+                f"value_embeds.{i}.weight",
+                ("blocks", i, "attn", "value", "bank", "embedding"),
+                False,
+            )
 
 
 def _dead_value_projections(model: GPT) -> list[str]:
@@ -115,7 +119,8 @@ def import_npz(model: GPT, path: str, rename: dict[str, str] | None = None) -> N
         value = arrays[name].T if transposed else arrays[name]
         current = _get(params, ours)
         if value.shape != current.shape:
-            problems.append(f"{name} has shape {value.shape}, expected {current.shape[::-1] if transposed else current.shape}")
+            expected = current.shape[::-1] if transposed else current.shape
+            problems.append(f"{name} has shape {arrays[name].shape}, expected {expected}")
             continue
         _set(params, ours, jnp.asarray(value, dtype=current.dtype))
     used.update(n for n in _dead_value_projections(model) if n in arrays)

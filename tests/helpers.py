@@ -5,7 +5,6 @@ from __future__ import annotations
 import zlib
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from bov_jax.model.gpt import GPT

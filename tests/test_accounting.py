@@ -99,12 +99,26 @@ def test_ratio_horizon_and_explicit_steps():
 
 def test_cli_prints_one_json_object():
     out = subprocess.run(
-        [sys.executable, "-m", "bov_jax.accounting", "--config=configs/d24_bov.py",
-         "--config.train.target_flops=3.91e19"],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "bov_jax.accounting",
+            "--config=configs/d24_bov.py",
+            "--config.train.target_flops=3.91e19",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     summary = json.loads(out)
-    for key in ("flops_per_token", "params_total", "params_scaling", "num_steps",
-                "total_batch_tokens", "tokens", "total_flops"):
+    for key in (
+        "flops_per_token",
+        "params_total",
+        "params_scaling",
+        "num_steps",
+        "total_batch_tokens",
+        "tokens",
+        "total_flops",
+    ):
         assert key in summary
     assert summary["num_steps"] == 7998

@@ -100,8 +100,9 @@ def test_bov_at_init_equals_x0_learned_at_init():
     np.testing.assert_allclose(bov(ids), x0(ids), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["d12_v_learn", "d12_add_v1_learn", "d12_add_x0_learn",
-                                    "d12_bov_add_v"])
+@pytest.mark.parametrize(
+    "preset", ["d12_v_learn", "d12_add_v1_learn", "d12_add_x0_learn", "d12_bov_add_v"]
+)
 def test_learned_add_variants_at_init_equal_the_baseline(preset):
     ids = tokens(2, 32)
     base, variant = tiny_model("d12", depth=6), tiny_model(preset, depth=6)
@@ -156,15 +157,21 @@ def test_per_token_loss_ignores_minus_one():
 
 
 def test_same_seed_same_model_and_different_seed_differs():
-    a, b, c = tiny_model("d12_bov", seed=1), tiny_model("d12_bov", seed=1), tiny_model("d12_bov", seed=2)
+    a, b, c = (
+        tiny_model("d12_bov", seed=1),
+        tiny_model("d12_bov", seed=1),
+        tiny_model("d12_bov", seed=2),
+    )
     la = jax.tree.leaves(nnx.state(a, nnx.Param))
-    assert all(bool(jnp.array_equal(x, y)) for x, y in zip(la, jax.tree.leaves(nnx.state(b, nnx.Param))))
+    assert all(
+        bool(jnp.array_equal(x, y)) for x, y in zip(la, jax.tree.leaves(nnx.state(b, nnx.Param)))
+    )
     assert not bool(jnp.array_equal(a.wte.embedding[...], c.wte.embedding[...]))
 
 
 def test_init_statistics_follow_the_reference():
     model = tiny_model("d12_bov")
-    s = (3 ** 0.5) / 8.0  # sqrt(3 / 64)
+    s = (3**0.5) / 8.0  # sqrt(3 / 64)
     attn = model.blocks[0].attn
     assert float(jnp.max(jnp.abs(attn.c_q.kernel[...]))) <= s
     assert float(jnp.max(jnp.abs(model.blocks[0].mlp.c_fc.kernel[...]))) <= 0.4 * s

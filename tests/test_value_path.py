@@ -5,7 +5,13 @@ import itertools
 import pytest
 
 from bov_jax.model.values import (
-    BANK_INITS, COMBINES, LAYER_RULES, SCALES, SOURCES, ValuePathError, ValuePathSpec,
+    BANK_INITS,
+    COMBINES,
+    LAYER_RULES,
+    SCALES,
+    SOURCES,
+    ValuePathError,
+    ValuePathSpec,
 )
 
 
@@ -22,8 +28,9 @@ def _is_valid(source, combine, scale, shared, init):
     list(itertools.product(SOURCES, COMBINES, SCALES, (False, True), BANK_INITS)),
 )
 def test_each_combination_is_accepted_or_rejected_by_the_rule(source, combine, scale, shared, init):
-    spec = ValuePathSpec(source=source, combine=combine, scale=scale, bank_shared=shared,
-                         bank_init=init)
+    spec = ValuePathSpec(
+        source=source, combine=combine, scale=scale, bank_shared=shared, bank_init=init
+    )
     if _is_valid(source, combine, scale, shared, init):
         spec.validate()
         for rule in LAYER_RULES:

@@ -7,7 +7,8 @@ that `bov_jax.sharding` maps onto a device mesh.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +91,11 @@ class ValuePath(nnx.Module):
         self.compute_dtype = spec.compute_dtype
         if vp.owns_projection(self.is_target):
             self.c_v = dense(
-                spec, spec.d_model, spec.kv_dim, uniform(spec.init_bound), ("embed", "kv"),
+                spec,
+                spec.d_model,
+                spec.kv_dim,
+                uniform(spec.init_bound),
+                ("embed", "kv"),
                 keys["c_v"],
             )
         if not self.is_target:
@@ -105,7 +110,11 @@ class ValuePath(nnx.Module):
             self.bank = bank
         if vp.combine == "gated_add":
             self.ve_gate = dense(
-                spec, GATE_CHANNELS, spec.n_head, uniform(0.02, 0.0), (None, None),
+                spec,
+                GATE_CHANNELS,
+                spec.n_head,
+                uniform(0.02, 0.0),
+                (None, None),
                 keys["ve_gate"],
             )
 
@@ -159,7 +168,9 @@ class Attention(nnx.Module):
         self.qk_scale = spec.qk_scale
         self.window = spec.windows[layer]
         self.impl = spec.attention_impl
-        self.c_q = dense(spec, spec.d_model, spec.kv_dim, uniform(s), ("embed", "heads"), keys["c_q"])
+        self.c_q = dense(
+            spec, spec.d_model, spec.kv_dim, uniform(s), ("embed", "heads"), keys["c_q"]
+        )
         self.c_k = dense(spec, spec.d_model, spec.kv_dim, uniform(s), ("embed", "kv"), keys["c_k"])
         self.value = ValuePath(spec, layer, keys, bank)
         self.c_proj = dense(spec, spec.kv_dim, spec.d_model, zeros, ("heads", "embed"), keys["c_q"])
@@ -190,7 +201,11 @@ class MLP(nnx.Module):
     def __init__(self, spec: ModelSpec, keys: dict):
         hidden = spec.mlp_ratio * spec.d_model
         self.c_fc = dense(
-            spec, spec.d_model, hidden, uniform(0.4 * spec.init_bound), ("embed", "mlp"),
+            spec,
+            spec.d_model,
+            hidden,
+            uniform(0.4 * spec.init_bound),
+            ("embed", "mlp"),
             keys["c_fc"],
         )
         self.c_proj = dense(spec, hidden, spec.d_model, zeros, ("mlp", "embed"), keys["c_fc"])
@@ -256,8 +271,9 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.smear(self.embed(tokens))
         ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
-        cos, sin = layers.rotary_tables(jnp.arange(tokens.shape[1]), self.spec.head_dim,
-                                        self.spec.rope_base)
+        cos, sin = layers.rotary_tables(
+            jnp.arange(tokens.shape[1]), self.spec.head_dim, self.spec.rope_base
+        )
         for i, block in enumerate(self.blocks):
             x, v = block(x, ctx, cos, sin)
             if i == 0:

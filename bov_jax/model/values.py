@@ -55,7 +55,7 @@ class ValuePathSpec:
         unknown = sorted(set(cfg.keys()) - known)
         if unknown:
             raise ValuePathError(f"unknown keys {', '.join(f'{KEY}.{k}' for k in unknown)}")
-        spec = cls(**{k: cfg[k] for k in cfg.keys()})
+        spec = cls(**{k: cfg[k] for k in cfg})
         spec.validate()
         return spec
 

@@ -1,0 +1,397 @@
+"""KV-cached decoding: a cache pytree, a cached forward, and a jitted generate engine.
+
+Shapes: B batch, T new tokens, S cache slots (max_len), H heads, hd head dim, K = H * hd,
+D model width, V vocab.
+
+Every layer caches its keys (B, S, H, hd). Values are cached only where they cannot be
+rebuilt from something already held (spec section 8, paper section 4):
+
+  own   the layer's values depend on the context: a V cache (B, S, H, hd).
+  bank  an id-only target (source=bank, combine=replace): no V cache. The cache keeps the
+        token-id history (B, S) once, and each step gathers V = coef * E_l[ids] for every
+        slot, attends, and drops it. `eliminate_bank_v=False` keeps a V cache instead.
+  v1    a source=v1, combine=replace target: V = coef * V1, and V1 at past positions is
+        exactly layer 0's V cache, so the layer reads that instead of holding a copy.
+
+Batches of prompts of different lengths are right-aligned on positions 0..len-1 with no
+padding: `generate` prefills the shortest prompt's length for the whole batch at once,
+then steps one token at a time, feeding each row its own next prompt token while it is
+still inside its prompt and its sampled token afterwards. Every row therefore sees exactly
+the positions and smear inputs of an unpadded forward, and the cache needs one scalar
+position for the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bov_jax.model import layers
+from bov_jax.model.gpt import GPT, Attention, Block, ValueContext
+from bov_jax.model.spec import ModelSpec
+
+OWN, BANK, V1 = "own", "bank", "v1"
+SLOT_MULTIPLE = 64  # generate rounds its cache length up to this, to reuse compilations
+
+
+class KVCache(NamedTuple):
+    """The decoding state of a batch; a pytree (None leaves are absent arrays)."""
+
+    k: tuple[jax.Array, ...]  # per layer (B, S, H, hd): rotated, normed, scaled keys
+    v: tuple[jax.Array | None, ...]  # per layer (B, S, H, hd), None where V is rebuilt
+    token_ids: jax.Array | None  # (B, S) int32 history, present when a layer gathers V
+    prev_embedding: jax.Array  # (B, 1, D) pre-smear normalized embedding of the last token
+    pos: jax.Array  # () int32: tokens processed so far (the next token's position)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def value_modes(spec: ModelSpec, eliminate_bank_v: bool = True) -> tuple[str, ...]:
+    """How each layer gets the values of past positions: OWN, BANK or V1 (module doc)."""
+    vp = spec.value_path
+
+    def mode(layer: int) -> str:
+        if layer not in spec.targets:
+            return OWN
+        if vp.id_only and eliminate_bank_v:
+            return BANK
+        if vp.source == "v1" and vp.combine == "replace":
+            return V1
+        return OWN
+
+    return tuple(mode(i) for i in range(spec.n_layer))
+
+
+def init_cache(
+    spec: ModelSpec,
+    batch: int,
+    max_len: int,
+    dtype: jnp.dtype | None = None,
+    eliminate_bank_v: bool = True,
+) -> KVCache:
+    """An empty cache of `max_len` slots; K/V in `dtype` (default: the compute dtype).
+
+    The previous embedding stays in the compute dtype, so the smear of a decode step
+    matches the full forward exactly.
+    """
+    dtype = dtype or spec.compute_dtype
+    slots = jnp.zeros((batch, max_len, spec.n_head, spec.head_dim), dtype)
+    modes = value_modes(spec, eliminate_bank_v)
+    return KVCache(
+        k=tuple(slots for _ in modes),
+        v=tuple(slots if m == OWN else None for m in modes),
+        token_ids=jnp.zeros((batch, max_len), jnp.int32) if BANK in modes else None,
+        prev_embedding=jnp.zeros((batch, 1, spec.d_model), spec.compute_dtype),
+        pos=jnp.zeros((), jnp.int32),
+    )
+
+
+def _write(buffer: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
+    """Write new (B, T, ...) into buffer (B, S, ...) at slots [pos, pos + T)."""
+    start = (0, pos) + (0,) * (buffer.ndim - 2)
+    return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), start)
+
+
+def _smear(model: GPT, e: jax.Array, prev: jax.Array, positions: jax.Array) -> jax.Array:
+    """The smear of new tokens given the previous token's embedding.
+
+    e: (B, T, D) pre-smear embeddings at `positions` (T,); prev: (B, 1, D) the embedding
+    of the token before e[:, 0]. Position 0 is left unchanged (spec 1.2).
+    """
+    before = jnp.concatenate([prev.astype(e.dtype), e[:, :-1]], axis=1)
+    mixed = e + model.smear_gate_values(e) * before
+    return jnp.where((positions > 0)[None, :, None], mixed, e)
+
+
+def _rebuilt_values(
+    attn: Attention, mode: str, token_ids: jax.Array | None, v0: jax.Array | None
+) -> jax.Array:
+    """Values (B, S, H, hd) for every slot of a layer without a V cache.
+
+    BANK: coef * E_l[ids] gathered over the id history (B, S); V1: coef * v0, layer 0's
+    V cache (B, S, H, hd) after this call's write.
+    """
+    if mode == BANK:
+        return attn.heads(attn.value.bank_values(token_ids))
+    return attn.value.replace_coef() * v0
+
+
+def _block(
+    block: Block,
+    x: jax.Array,
+    ctx: ValueContext,
+    cache: KVCache,
+    layer: int,
+    mode: str,
+    rope: tuple[jax.Array, jax.Array, jax.Array],
+    v0: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
+    """One block on new tokens x (B, T, D) against its layer's cache (ids already written).
+
+    rope: (cos, sin, positions (T,)); v0: layer 0's V cache after this call's write.
+    Returns (x, the layer's K cache, its V cache or None, its new values (B, T, K), the
+    latter computed only where the layer has a V cache, else None).
+    """
+    attn, pos = block.attn, cache.pos
+    cos, sin, positions = rope
+    h = layers.rms_norm(x)
+    q, k_new = attn.queries_keys(h, cos, sin)
+    k = _write(cache.k[layer], k_new, pos)
+    v, v_new = cache.v[layer], None
+    if v is None:
+        v_all = _rebuilt_values(attn, mode, cache.token_ids, v0)
+    else:
+        v_new = attn.value(h, ctx)
+        v = v_all = _write(v, attn.heads(v_new), pos)
+    y = layers.cached_attention(
+        q,
+        k.astype(q.dtype),
+        v_all.astype(q.dtype),
+        q_positions=positions,
+        k_length=pos + x.shape[1],
+        window=attn.window,
+    )
+    x = x + attn.output(y)
+    return x + block.mlp(layers.rms_norm(x)), k, v, v_new
+
+
+def hidden_cached(model: GPT, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """The final residual stream (B, T, D) of tokens (B, T) at positions pos..pos+T-1.
+
+    Which layers rebuild their values is read off the cache (a None V slot).
+    """
+    spec, pos = model.spec, cache.pos
+    positions = pos + jnp.arange(tokens.shape[1])
+    e = model.embed(tokens)
+    x = _smear(model, e, cache.prev_embedding, positions)
+    if cache.token_ids is not None:
+        cache = cache._replace(token_ids=_write(cache.token_ids, tokens, pos))
+    ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
+    cos, sin = layers.rotary_tables(positions, spec.head_dim, spec.rope_base)
+    modes = value_modes(spec)  # a layer's mode when its V slot is None
+    ks, vs = [], []
+    for i, block in enumerate(model.blocks):
+        v0 = vs[0] if vs else None
+        x, k, v, v_new = _block(block, x, ctx, cache, i, modes[i], (cos, sin, positions), v0)
+        if i == 0:
+            ctx = ctx._replace(v1=v_new)
+        ks.append(k)
+        vs.append(v)
+    cache = cache._replace(
+        k=tuple(ks), v=tuple(vs), prev_embedding=e[:, -1:], pos=pos + tokens.shape[1]
+    )
+    return x, cache
+
+
+def forward_cached(model: GPT, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Logits (B, T, vocab) of tokens (B, T) continuing the cache, and the updated cache.
+
+    Works for a prefill (T > 1 at pos 0), a chunk (T > 1 at pos > 0) and a step (T == 1);
+    the caller keeps pos + T <= cache.max_len.
+    """
+    x, cache = hidden_cached(model, tokens, cache)
+    return model.logits(x), cache
+
+
+# -- sampling and the generate engine -------------------------------------------------
+
+
+def choose_tokens(
+    logits: jax.Array, key: jax.Array, temperature: jax.Array | float, top_k: int | None = None
+) -> jax.Array:
+    """Next tokens (B,) int32 from logits (B, V).
+
+    Temperature 0 gives the argmax; otherwise a sample from softmax(logits / temperature)
+    over the top_k largest logits (all of them when top_k is None).
+    """
+    greedy = jnp.argmax(logits, axis=-1)
+    if top_k is None:
+        vals, idx = logits, None
+    else:
+        vals, idx = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))
+    pick = jax.random.categorical(key, vals / jnp.maximum(temperature, 1e-6), axis=-1)
+    sampled = pick if idx is None else jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0]
+    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+class Prefilled(NamedTuple):
+    """A batch after its common prefill, ready for `Engine.decode`."""
+
+    cache: KVCache
+    logits: jax.Array  # (B, V) logits of the last prefilled position
+    tokens: jax.Array  # (B, S) int32: prompts (zero-padded on the right), then generations
+    prompt_lens: jax.Array  # (B,) int32
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "dtype", "eliminate_bank_v"))
+def _prefill(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,
+    *,
+    max_len: int,
+    dtype: jnp.dtype,
+    eliminate_bank_v: bool,
+) -> tuple[jax.Array, KVCache]:
+    """A fresh cache filled with tokens (B, P); returns (last logits (B, V), cache)."""
+    model = nnx.merge(graphdef, state)
+    cache = init_cache(model.spec, tokens.shape[0], max_len, dtype, eliminate_bank_v)
+    x, cache = hidden_cached(model, tokens, cache)
+    return model.logits(x[:, -1]), cache
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "top_k"), donate_argnames=("cache", "tokens")
+)
+def _decode(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: KVCache,
+    tokens: jax.Array,
+    logits: jax.Array,
+    lens: jax.Array,
+    max_new_tokens: jax.Array,
+    temperature: jax.Array,
+    key: jax.Array,
+    stop_tokens: jax.Array,
+    *,
+    top_k: int | None,
+) -> tuple[jax.Array, KVCache]:
+    """Step until every row has max_new_tokens generated or emitted a stop token.
+
+    cache, tokens (B, S), logits (B, V), lens (B,): a `Prefilled` batch. Each step picks
+    the token at position p = cache.pos for every row (its prompt token while p < lens,
+    else a sample from the carried logits with key fold_in(key, p)), writes it into tokens
+    and runs it through the model. Returns (tokens, cache); returning the cache lets it
+    alias the donated one instead of doubling its memory.
+    """
+    model = nnx.merge(graphdef, state)
+
+    def step(carry):
+        cache, logits, tokens, done = carry
+        p = cache.pos
+        sampled = choose_tokens(logits, jax.random.fold_in(key, p), temperature, top_k)
+        in_prompt = p < lens
+        token = jnp.where(in_prompt, tokens[:, p], sampled)
+        tokens = tokens.at[:, p].set(token)
+        last = p + 1 >= lens + max_new_tokens
+        done = done | (~in_prompt & (jnp.isin(token, stop_tokens) | last))
+        x, cache = hidden_cached(model, token[:, None], cache)
+        return cache, model.logits(x[:, 0]), tokens, done
+
+    done = jnp.zeros(lens.shape, bool)
+    init = (cache, logits, tokens, done)
+    cache, _, tokens, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[3]), step, init)
+    return tokens, cache
+
+
+class Engine:
+    """A model split once for decoding (nnx.split); prefill and decode are jitted.
+
+    The jitted functions take the graphdef as a static argument, so engines of models
+    with the same structure share compilations: a decode compiles once per (batch,
+    cache length, top_k, number of stop tokens), never per token.
+    """
+
+    def __init__(
+        self, model: GPT, cache_dtype: jnp.dtype | None = None, eliminate_bank_v: bool = True
+    ):
+        self.spec = model.spec
+        self.graphdef, self.state = nnx.split(model)
+        self.cache_dtype = jnp.dtype(cache_dtype or model.spec.compute_dtype)
+        self.eliminate_bank_v = eliminate_bank_v
+
+    def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Prefilled:
+        """Prefill the first min(len) tokens of every prompt in one call.
+
+        The cache holds max(len) + max_new_tokens slots, rounded up to SLOT_MULTIPLE.
+        """
+        lens = np.array([len(p) for p in prompts], np.int32)
+        if lens.min() < 1 or max_new_tokens < 1:
+            raise ValueError("every prompt needs at least one token and max_new_tokens >= 1")
+        max_len = -(-(int(lens.max()) + max_new_tokens) // SLOT_MULTIPLE) * SLOT_MULTIPLE
+        tokens = np.zeros((len(prompts), max_len), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = prompt
+        logits, cache = _prefill(
+            self.graphdef,
+            self.state,
+            jnp.asarray(tokens[:, : lens.min()]),
+            max_len=max_len,
+            dtype=self.cache_dtype,
+            eliminate_bank_v=self.eliminate_bank_v,
+        )
+        return Prefilled(cache, logits, jnp.asarray(tokens), jnp.asarray(lens))
+
+    def decode(
+        self,
+        batch: Prefilled,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int = 0,
+        stop_tokens: Sequence[int] = (),
+    ) -> jax.Array:
+        """Run the jitted decode loop on a prefilled batch (consumed); returns tokens (B, S)."""
+        tokens, _ = _decode(
+            self.graphdef,
+            self.state,
+            *batch,
+            jnp.int32(max_new_tokens),
+            jnp.float32(temperature),
+            jax.random.key(seed),
+            jnp.array(list(stop_tokens) or [-1], jnp.int32),
+            top_k=top_k,
+        )
+        return tokens
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int = 0,
+        stop_tokens: Sequence[int] = (),
+    ) -> list[list[int]]:
+        """Completions of a batch of prompts (see `generate`)."""
+        batch = self.prefill(prompts, max_new_tokens)
+        out = np.asarray(self.decode(batch, max_new_tokens, temperature, top_k, seed, stop_tokens))
+        stops = set(stop_tokens)
+        completions = []
+        for row, prompt in enumerate(prompts):
+            new = out[row, len(prompt) : len(prompt) + max_new_tokens].tolist()
+            ends = [j for j, token in enumerate(new) if token in stops]
+            completions.append(new[: ends[0]] if ends else new)
+        return completions
+
+
+def generate(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    *,
+    cache_dtype: jnp.dtype | None = None,
+    eliminate_bank_v: bool = True,
+) -> list[list[int]]:
+    """Generate up to max_new_tokens after each prompt (lists of token ids, e.g. BOS first).
+
+    Greedy at temperature 0, else temperature / top-k sampling from jax.random.key(seed)
+    (the key of position p is fold_in(key, p), so a row's samples do not depend on the
+    other rows). A row ends at its first stop token, which is not returned. Prompts may
+    differ in length (module doc).
+    """
+    engine = Engine(model, cache_dtype, eliminate_bank_v)
+    return engine.generate(prompts, max_new_tokens, temperature, top_k, seed, stop_tokens)

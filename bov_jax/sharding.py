@@ -1,0 +1,109 @@
+"""Device mesh, logical-axis rules and placement of parameters and batches.
+
+Parameters carry logical axis names (bov_jax/model/gpt.py); `RULES` maps them onto the
+mesh axes (data, fsdp, tensor). Changing the parallelism means changing the mesh sizes
+in the config (or this table), never the model.
+
+  embed       -> fsdp     weights are split along the model width (ZeRO-3 style)
+  vocab       -> tensor   wte / lm_head rows (columns of lm_head) over tensor
+  heads, kv   -> tensor   attention projections split by head
+  mlp         -> tensor   MLP hidden units
+  bank_vocab  -> fsdp     each bank is sharded by vocab rows, like an embedding table;
+                          its kv features follow the attention heads (tensor)
+  batch       -> (data, fsdp)
+
+Axes are Auto (GSPMD propagation): gathers on sharded tables need no annotations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+RULES: dict[str, Any] = {
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv": "tensor",
+    "mlp": "tensor",
+    "bank_vocab": "fsdp",
+    "batch": BATCH_AXES,
+}
+
+
+def mesh_shape(mesh_cfg: Any, n_devices: int) -> tuple[int, int, int]:
+    """Resolve the (data, fsdp, tensor) sizes; one -1 takes the remaining devices."""
+    sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+    fill = [i for i, s in enumerate(sizes) if s == -1]
+    if len(fill) > 1:
+        raise ValueError(f"at most one of mesh.{', mesh.'.join(MESH_AXES)} may be -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if fill:
+        if n_devices % known:
+            raise ValueError(
+                f"mesh sizes {dict(zip(MESH_AXES, sizes))} do not divide {n_devices} devices"
+            )
+        sizes[fill[0]] = n_devices // known
+    if int(np.prod(sizes)) != n_devices:
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices; "
+            f"{n_devices} are available"
+        )
+    return tuple(sizes)
+
+
+def make_mesh(mesh_cfg: Any, devices: list | None = None) -> jax.sharding.Mesh:
+    devices = devices if devices is not None else jax.devices()
+    shape = mesh_shape(mesh_cfg, len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def logical_to_mesh(logical: PartitionSpec | tuple | None) -> PartitionSpec:
+    """('vocab', 'embed') -> P('tensor', 'fsdp'); unnamed axes stay replicated."""
+    if logical is None:
+        return PartitionSpec()
+    return PartitionSpec(*(RULES.get(name) if name else None for name in logical))
+
+
+def shardings_for(logical_specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Map a tree of logical PartitionSpecs to NamedShardings on `mesh`."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, logical_to_mesh(spec)),
+        logical_specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def batch_size_per_step(mesh: jax.sharding.Mesh) -> int:
+    """Devices the batch is split over."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, leading: int = 0) -> NamedSharding:
+    """Rows over (data, fsdp), after `leading` unsharded axes (e.g. micro-steps)."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * leading), BATCH_AXES))
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: jax.sharding.Mesh, leading: int = 0) -> dict:
+    """Assemble each process's rows into global jax.Arrays sharded over the batch axes.
+
+    local: {name: (..., rows_local, T)} -> {name: (..., rows_local * process_count, T)}.
+    """
+    sharding = batch_sharding(mesh, leading)
+    out = {}
+    for name, array in local.items():
+        shape = list(array.shape)
+        shape[leading] *= jax.process_count()
+        out[name] = jax.make_array_from_process_local_data(sharding, array, tuple(shape))
+    return out

@@ -1,0 +1,42 @@
+"""How a step's batch is split over micro-batches, devices and processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from bov_jax import sharding
+from bov_jax.accounting import TrainingPlan
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the configured batch is split: steps x micro-batches x devices x rows."""
+
+    rows_per_step: int  # global sequences per optimizer step
+    accum: int  # micro-batches per step
+    micro_rows: int  # global sequences per micro-batch
+    rows_per_process: int  # sequences one process loads per step
+    eval_rows_per_process: int
+
+    @classmethod
+    def resolve(cls, config: Any, plan: TrainingPlan, mesh: jax.sharding.Mesh) -> BatchLayout:
+        seq_len = config.model.seq_len
+        batch_devices = sharding.batch_size_per_step(mesh)
+        micro_rows = config.train.device_batch_size * batch_devices
+        tokens = plan.total_batch_tokens
+        if tokens % (micro_rows * seq_len):
+            raise ValueError(
+                f"train.total_batch_tokens={tokens} is not a multiple of train.device_batch_size"
+                f"={config.train.device_batch_size} x {batch_devices} batch devices x "
+                f"model.seq_len={seq_len} = {micro_rows * seq_len} tokens per micro-batch"
+            )
+        rows = tokens // seq_len
+        processes = jax.process_count()
+        if micro_rows % processes:
+            raise ValueError(
+                f"{micro_rows} rows per micro-batch do not split over {processes} processes"
+            )
+        return cls(rows, rows // micro_rows, micro_rows, rows // processes, micro_rows // processes)

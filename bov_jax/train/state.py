@@ -1,0 +1,78 @@
+"""The training state, created directly sharded on the mesh.
+
+TrainState is a plain pytree: parameters as a nested dict of arrays (the
+`nnx.to_pure_dict` layout; the model is `nnx.merge(graphdef, params)`), the optax state,
+the step and an RNG key for sampling. Nothing is materialised on one device first:
+`create_train_state` derives the parameters' shardings from their logical axis names
+on an abstract model, then runs the initialiser under `jax.jit` with the parameters
+pinned to those shardings; the optimizer moments inherit them by propagation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from bov_jax import sharding
+from bov_jax.accounting import TrainingPlan
+from bov_jax.model.gpt import GPT
+from bov_jax.model.spec import ModelSpec
+from bov_jax.train.optim import build_optimizer
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # () int32: optimizer steps taken
+    params: dict  # nested dict of arrays, the nnx.to_pure_dict layout
+    opt_state: optax.OptState
+    rng: jax.Array  # (2,) uint32 key data for sampling
+
+
+def build_model_graph(spec: ModelSpec, seed: int) -> tuple[nnx.GraphDef, dict, dict]:
+    """(graphdef, abstract params, logical partition specs) without allocating weights."""
+    abstract = nnx.eval_shape(lambda: GPT(spec, seed=seed))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(nnx.get_partition_spec(params))
+
+
+def make_optimizer(
+    config: Any, plan: TrainingPlan, params: Any, mesh
+) -> optax.GradientTransformation:
+    return build_optimizer(
+        config.optim,
+        params,
+        num_steps=plan.num_steps,
+        d_model=ModelSpec.from_config(config.model).d_model,
+        batch_lr_scale=plan.batch_lr_scale,
+        muon_weight_decay=plan.muon_weight_decay,
+        muon_sharding=NamedSharding(mesh, PartitionSpec()),
+    )
+
+
+def create_train_state(
+    config: Any, plan: TrainingPlan, mesh
+) -> tuple[nnx.GraphDef, TrainState, TrainState, optax.GradientTransformation]:
+    """(graphdef, state, state shardings, optimizer), the state placed on `mesh`."""
+    spec = ModelSpec.from_config(config.model)
+    graphdef, abstract_params, logical = build_model_graph(spec, config.seed)
+    param_shardings = sharding.shardings_for(logical, mesh)
+    tx = make_optimizer(config, plan, abstract_params, mesh)
+
+    def init() -> TrainState:
+        model = GPT(spec, seed=config.seed)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        # Pinning the parameters lets their optimizer moments inherit the same layout.
+        params = jax.lax.with_sharding_constraint(params, param_shardings)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.key_data(jax.random.key(config.seed + 1)),
+        )
+
+    state = jax.jit(init)()
+    return graphdef, state, jax.tree.map(lambda x: x.sharding, state), tx

@@ -1,0 +1,93 @@
+"""The jitted train and eval steps.
+
+`make_train_step` returns `train_step(state, batch) -> (state, metrics)` compiled once with
+explicit shardings and a donated state. The batch holds every micro-batch of the step,
+inputs/targets of shape (accum, rows, T) with rows sharded over (data, fsdp); a `lax.scan`
+accumulates the gradient over the accum axis, so the optimizer sees the mean gradient of
+the whole configured batch. A step whose loss or gradient is not finite leaves the state
+unchanged and reports `finite = False`; the loop decides whether to stop or skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from bov_jax import sharding
+from bov_jax.evals.bpb import bpb_sums
+from bov_jax.model.gpt import cross_entropy
+from bov_jax.train.state import TrainState
+
+
+def loss_fn(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: jax.Array):
+    """Mean cross-entropy of one micro-batch: inputs, targets (rows, T)."""
+    return cross_entropy(nnx.merge(graphdef, params)(inputs), targets)
+
+
+def accumulate_gradients(graphdef, params, inputs, targets) -> tuple[jax.Array, Any]:
+    """Mean loss and gradient over micro-batches: inputs, targets (accum, rows, T)."""
+
+    def micro_step(grad_sum, batch):
+        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(graphdef, params, *batch)
+        return jax.tree.map(jnp.add, grad_sum, grads), loss
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets))
+    accum = inputs.shape[0]
+    return losses.mean(), jax.tree.map(lambda g: g / accum, grad_sum)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    state_shardings: TrainState,
+    mesh: jax.sharding.Mesh,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        loss, grads = accumulate_gradients(
+            graphdef, state.params, batch["inputs"], batch["targets"]
+        )
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        new = TrainState(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            rng=state.rng,
+        )
+        # A non-finite step keeps the previous state (the step counter included).
+        state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        return state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+    batch_sh = sharding.batch_sharding(mesh, leading=1)
+    return jax.jit(
+        train_step,
+        in_shardings=(state_shardings, {"inputs": batch_sh, "targets": batch_sh}),
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef, state_shardings: TrainState, mesh: jax.sharding.Mesh
+) -> Callable[[dict, dict, jax.Array], tuple[jax.Array, jax.Array]]:
+    """eval_step(params, batch (rows, T), token_bytes (V,)) -> (sum nats, sum bytes)."""
+
+    def eval_step(params, batch, token_bytes):
+        logits = nnx.merge(graphdef, params)(batch["inputs"])
+        per_token = cross_entropy(logits, batch["targets"], reduction="none")
+        return bpb_sums(per_token, batch["targets"], token_bytes)
+
+    batch_sh = sharding.batch_sharding(mesh)
+    rep = sharding.replicated(mesh)
+    return jax.jit(
+        eval_step,
+        in_shardings=(state_shardings.params, {"inputs": batch_sh, "targets": batch_sh}, rep),
+        out_shardings=(rep, rep),
+    )

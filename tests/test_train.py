@@ -1,0 +1,140 @@
+"""The jitted train step: accumulation, sharded vs single device, labels, validation.
+
+Batches come from an in-memory token source defined here (tests only); the real loop
+reads the data pipeline.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import randomize, tiny_config, tiny_model
+
+from bov_jax import sharding
+from bov_jax.accounting import training_plan
+from bov_jax.config import validate_config
+from bov_jax.train.optim import param_labels
+from bov_jax.train.state import create_train_state
+from bov_jax.train.step import accumulate_gradients, make_train_step
+
+
+def in_memory_batches(steps: int, accum: int, rows: int, seq_len: int, vocab: int, seed=0):
+    """Random token batches {inputs, targets}: (accum, rows, T) each, targets shifted by one."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        tokens = rng.integers(0, vocab, size=(accum, rows, seq_len + 1), dtype=np.int32)
+        yield {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
+
+
+def train_config(preset="d12_bov"):
+    config = tiny_config(preset, depth=4, seq_len=32)
+    config.train.num_steps = 10
+    config.train.total_batch_tokens = 16 * 32
+    config.train.device_batch_size = 2
+    return config
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    model = tiny_model("d12_bov", depth=4)
+    randomize(model, seed=1)
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    batch = next(in_memory_batches(1, 1, 8, 64, 200))
+    loss_one, grads_one = accumulate_gradients(graphdef, params, batch["inputs"], batch["targets"])
+    split = {k: v.reshape(4, 2, 64) for k, v in batch.items()}
+    loss_four, grads_four = accumulate_gradients(
+        graphdef, params, split["inputs"], split["targets"]
+    )
+    np.testing.assert_allclose(loss_four, loss_one, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_four), jax.tree.leaves(grads_one)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7)
+
+
+def run_steps(config, mesh, steps=3):
+    plan = training_plan(config)
+    graphdef, state, shardings, tx = create_train_state(config, plan, mesh)
+    step = make_train_step(graphdef, tx, shardings, mesh)
+    losses = []
+    for batch in in_memory_batches(steps, 4, 4, 32, 200):
+        state, metrics = step(state, sharding.global_batch(batch, mesh, leading=1))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+def test_sharded_mesh_gives_the_same_losses_as_one_device():
+    config = train_config()
+    assert len(jax.devices()) >= 8
+    config.mesh.update(data=1, fsdp=1, tensor=1)
+    single, _ = run_steps(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
+    config.mesh.update(data=2, fsdp=2, tensor=2)
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:8])
+    sharded, state = run_steps(config, mesh)
+    np.testing.assert_allclose(sharded, single, rtol=2e-5)
+    assert single[2] != single[0]
+    bank = state.params["blocks"][3]["attn"]["value"]["bank"]["embedding"]
+    assert bank.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    wte = state.params["wte"]["embedding"]
+    assert len({str(s.index) for s in wte.addressable_shards}) == 4  # vocab x embed split 2 x 2
+
+
+def test_every_parameter_of_every_preset_gets_one_label():
+    from bov_jax.presets import PRESETS
+
+    for preset in PRESETS:
+        params = nnx.to_pure_dict(nnx.state(tiny_model(preset, depth=3), nnx.Param))
+        labels = jax.tree.leaves(param_labels(params))
+        assert len(labels) == len(jax.tree.leaves(params))
+        if "bov" in preset or "ve_gated" in preset:
+            assert "value_table" in labels
+
+
+def test_unknown_config_key_fails_naming_it():
+    config = train_config()
+    with config.unlocked():
+        config.train.num_stepz = 3
+    with pytest.raises(ValueError, match="unknown config keys: train.num_stepz"):
+        validate_config(config)
+
+
+def test_inconsistent_batch_fails_before_compiling():
+    from bov_jax.train.layout import BatchLayout
+
+    config = train_config()
+    config.train.total_batch_tokens = 100 * 32
+    config.train.device_batch_size = 3
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+    with pytest.raises(
+        ValueError, match="train.total_batch_tokens=3200 .* train.device_batch_size=3"
+    ):
+        BatchLayout.resolve(config, training_plan(config), mesh)
+
+
+def test_bad_model_value_is_named():
+    config = train_config()
+    config.model.value_path.combine = "multiply"
+    with pytest.raises(ValueError, match="model.value_path.combine='multiply'"):
+        validate_config(config)
+    config = train_config()
+    config.model.compute_dtype = "float8"
+    with pytest.raises(ValueError, match="model.compute_dtype"):
+        validate_config(config)
+
+
+def test_nonfinite_step_leaves_the_state_unchanged():
+    config = train_config()
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+    plan = training_plan(config)
+    graphdef, state, shardings, tx = create_train_state(config, plan, mesh)
+    step = make_train_step(graphdef, tx, shardings, mesh)
+    before = jax.tree.map(np.asarray, state)
+    poisoned = jax.tree.map(lambda x: x, state)._replace(
+        params={**state.params, "smear_lambda": jnp.full((1,), jnp.nan)}
+    )
+    batch = next(in_memory_batches(1, 4, 4, 32, 200))
+    after, metrics = step(poisoned, sharding.global_batch(batch, mesh, leading=1))
+    assert not bool(metrics["finite"])
+    assert int(after.step) == int(before.step)
+    np.testing.assert_array_equal(
+        after.params["wte"]["embedding"], before.params["wte"]["embedding"]
+    )
