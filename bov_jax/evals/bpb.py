@@ -1,0 +1,46 @@
+"""Bits per byte (reference spec 6.3, `nanochat/loss_eval.py::evaluate_bpb`).
+
+Per batch, with per-token cross-entropy `loss` (nats) and `nb = token_bytes[target]`:
+
+    sum_nats  += sum(loss * (nb > 0))
+    sum_bytes += sum(nb)
+
+Targets with zero bytes (the special tokens, e.g. BOS) are excluded from both sums; negative
+targets (ignore index) count as zero bytes. BPB = sum_nats / (ln 2 * sum_bytes).
+
+`bpb_sums` reduces over every element of its inputs, so inside a jitted step on globally sharded
+arrays it returns the global sums (XLA inserts the cross-device reduction). Accumulate the
+per-step sums on the host (Python float / int) and call `bits_per_byte` once at the end.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def bpb_sums(
+    per_token_nats: jax.Array, targets: jax.Array, token_bytes: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Sums of nats and of bytes for one batch.
+
+    Args:
+      per_token_nats: (B, T) float32, cross-entropy of each target in nats.
+      targets: (B, T) int32 token ids; negative ids are ignored (0 bytes).
+      token_bytes: (V,) int32, UTF-8 byte length of each token id (0 for special tokens).
+
+    Returns:
+      (sum_nats, sum_bytes): float32 and int32 scalars, reduced over all B*T elements.
+    """
+    nb = jnp.where(targets >= 0, token_bytes[jnp.maximum(targets, 0)], 0)
+    sum_nats = jnp.sum(jnp.where(nb > 0, per_token_nats.astype(jnp.float32), 0.0))
+    sum_bytes = jnp.sum(nb.astype(jnp.int32))
+    return sum_nats, sum_bytes
+
+
+def bits_per_byte(sum_nats: float, sum_bytes: float) -> float:
+    """BPB = sum_nats / (ln 2 * sum_bytes); raises if no bytes were counted."""
+    sum_bytes = float(sum_bytes)
+    if sum_bytes <= 0:
+        raise ValueError("bits_per_byte: no target bytes were counted (sum_bytes == 0)")
+    return float(sum_nats) / (math.log(2) * sum_bytes)

@@ -1,0 +1,473 @@
+"""CORE evaluation harness (reference spec 7; `nanochat/core_eval.py`, `scripts/base_eval.py`).
+
+Reads the DCLM eval-bundle layout, `<bundle>/eval_data/<category>/<task>.jsonl`, with the task
+table below standing in for the fork's `configs/core.yaml` (21 tasks; ARC 25-shot, winogrande
+5-shot) and the random baselines of `eval_meta_data.csv`. The bundle itself is built offline by
+`python -m bov_jax.evals.bundle` (see docs/core.md).
+
+Per task: load the jsonl, shuffle with random.Random(1337), truncate to `max_per_task` (> 0). For
+example idx, few-shot examples are random.Random(1234 + idx).sample of the other indices. Every
+prompt of one example is encoded with BOS prepended and the prompts are right-padded with BOS into
+one (B, T) batch for a single forward:
+
+- multiple_choice: one prompt per choice; the scored span starts at the common token prefix.
+- schema: one prompt per context option; the scored span is the common token suffix.
+- language_modeling: prompts without / with the continuation; the span is [len(without), len(with)).
+
+MC / schema score = sum of the span's token losses / max(1, UTF-8 bytes of the decoded span)
+(the fork's byte normalisation); the argmin is the prediction. LM is correct iff the argmax at
+every span position equals the continuation token. Accuracy is centered with the task's random
+baseline r (percent): (acc - r/100) / (1 - r/100); CORE is the mean of the centered values over the
+tasks that were available.
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TaskType = Literal["multiple_choice", "schema", "language_modeling"]
+LogitsFn = Callable[[np.ndarray], Any]
+"""Model forward: tokens (B, T) int32 -> logits (B, T, V) float32, a numpy or jax array."""
+
+DEFAULT_BUNDLE_DIR = Path(
+    os.environ.get("BOV_EVAL_BUNDLE", "~/.cache/bov_jax/eval_bundle")
+).expanduser()
+DEFAULT_PAD_MULTIPLE = 128
+DATA_SHUFFLE_SEED = 1337
+FEWSHOT_SEED = 1234
+
+
+class Tokenizer(Protocol):
+    """What the harness needs from a tokenizer."""
+
+    bos_id: int
+
+    def encode_one(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class CoreTask:
+    """One CORE task: the core.yaml entry plus its random baseline (percent)."""
+
+    label: str
+    dataset_uri: str
+    task_type: TaskType
+    num_fewshot: int
+    delimiter: str
+    random_baseline: float
+    reference_examples: int
+
+
+_MC: TaskType = "multiple_choice"
+_SCHEMA: TaskType = "schema"
+_LM: TaskType = "language_modeling"
+_ANSWER = "\nAnswer: "
+
+CORE_TASKS: tuple[CoreTask, ...] = (
+    CoreTask("jeopardy", "world_knowledge/jeopardy_all.jsonl", _LM, 10, _ANSWER, 0.0, 2117),
+    CoreTask(
+        "bigbench_qa_wikidata",
+        "world_knowledge/bigbench_qa_wikidata.jsonl",
+        _LM,
+        10,
+        " ",
+        0.0,
+        20321,
+    ),
+    CoreTask("arc_easy", "world_knowledge/arc_easy.jsonl", _MC, 25, _ANSWER, 25.0, 2376),
+    CoreTask("arc_challenge", "world_knowledge/arc_challenge.jsonl", _MC, 25, _ANSWER, 25.0, 1172),
+    CoreTask("copa", "commonsense_reasoning/copa.jsonl", _MC, 0, " ", 50.0, 100),
+    CoreTask(
+        "commonsense_qa", "commonsense_reasoning/commonsense_qa.jsonl", _MC, 10, " ", 20.0, 1221
+    ),
+    CoreTask("piqa", "commonsense_reasoning/piqa.jsonl", _MC, 10, _ANSWER, 50.0, 1838),
+    CoreTask("openbook_qa", "commonsense_reasoning/openbook_qa.jsonl", _MC, 0, " ", 25.0, 500),
+    CoreTask(
+        "lambada_openai", "language_understanding/lambada_openai.jsonl", _LM, 0, " ", 0.0, 5153
+    ),
+    CoreTask("hellaswag", "language_understanding/hellaswag.jsonl", _MC, 10, " ", 25.0, 10042),
+    CoreTask("winograd", "language_understanding/winograd_wsc.jsonl", _SCHEMA, 0, " ", 50.0, 273),
+    CoreTask("winogrande", "language_understanding/winogrande.jsonl", _SCHEMA, 5, " ", 50.0, 1267),
+    CoreTask(
+        "bigbench_dyck_languages",
+        "symbolic_problem_solving/bigbench_dyck_languages.jsonl",
+        _LM,
+        10,
+        " ",
+        0.0,
+        1000,
+    ),
+    CoreTask(
+        "agi_eval_lsat_ar",
+        "symbolic_problem_solving/agi_eval_lsat_ar.jsonl",
+        _MC,
+        3,
+        " ",
+        20.0,
+        230,
+    ),
+    CoreTask(
+        "bigbench_cs_algorithms",
+        "symbolic_problem_solving/bigbench_cs_algorithms.jsonl",
+        _LM,
+        10,
+        " ",
+        0.0,
+        1320,
+    ),
+    CoreTask(
+        "bigbench_operators",
+        "symbolic_problem_solving/bigbench_operators.jsonl",
+        _LM,
+        10,
+        " ",
+        0.0,
+        210,
+    ),
+    CoreTask(
+        "bigbench_repeat_copy_logic",
+        "symbolic_problem_solving/bigbench_repeat_copy_logic.jsonl",
+        _LM,
+        10,
+        " ",
+        0.0,
+        32,
+    ),
+    CoreTask("squad", "reading_comprehension/squad.jsonl", _LM, 10, " ", 0.0, 10570),
+    CoreTask("coqa", "reading_comprehension/coqa.jsonl", _LM, 0, " ", 0.0, 7983),
+    CoreTask("boolq", "reading_comprehension/boolq.jsonl", _MC, 10, _ANSWER, 62.0, 3270),
+    CoreTask(
+        "bigbench_language_identification",
+        "language_understanding/bigbench_language_identification.jsonl",
+        _MC,
+        10,
+        " ",
+        9.1,
+        10000,
+    ),
+)
+TASKS_BY_LABEL: dict[str, CoreTask] = {t.label: t for t in CORE_TASKS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt rendering (the reference's Jinja templates, written out). Each few-shot block is
+# followed by exactly "\n\n".
+
+
+def render_prompts_mc(
+    item: dict[str, Any], delimiter: str, fewshot: Sequence[dict[str, Any]] = ()
+) -> list[str]:
+    """One prompt per choice: [shots] query + delimiter + choice."""
+    shots = "".join(f"{ex['query']}{delimiter}{ex['choices'][ex['gold']]}\n\n" for ex in fewshot)
+    return [f"{shots}{item['query']}{delimiter}{choice}" for choice in item["choices"]]
+
+
+def render_prompts_schema(
+    item: dict[str, Any], delimiter: str, fewshot: Sequence[dict[str, Any]] = ()
+) -> list[str]:
+    """One prompt per context option: [shots] option + delimiter + continuation."""
+    shots = "".join(
+        f"{ex['context_options'][ex['gold']]}{delimiter}{ex['continuation']}\n\n" for ex in fewshot
+    )
+    return [f"{shots}{ctx}{delimiter}{item['continuation']}" for ctx in item["context_options"]]
+
+
+def render_prompts_lm(
+    item: dict[str, Any], delimiter: str, fewshot: Sequence[dict[str, Any]] = ()
+) -> list[str]:
+    """[prompt without continuation (whitespace-stripped), prompt with continuation].
+
+    Contexts are trimmed; stripping the first prompt drops a trailing delimiter space so that its
+    tokens are a prefix of the second prompt's tokens.
+    """
+    shots = "".join(f"{ex['context'].strip()}{delimiter}{ex['continuation']}\n\n" for ex in fewshot)
+    without = f"{shots}{item['context'].strip()}{delimiter}"
+    return [without.strip(), without + item["continuation"]]
+
+
+def sample_fewshot(idx: int, num_examples: int, num_fewshot: int) -> list[int]:
+    """Indices of the few-shot examples of example idx: Random(1234 + idx).sample of the others.
+
+    The count is clamped to num_examples - 1 (the reference raises there instead).
+    """
+    k = min(num_fewshot, num_examples - 1)
+    if k <= 0:
+        return []
+    others = [i for i in range(num_examples) if i != idx]
+    return random.Random(FEWSHOT_SEED + idx).sample(others, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenisation and spans.
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the token prefix shared by all sequences."""
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != seqs[0][i] for s in seqs):
+            return i
+    return n
+
+
+def common_suffix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the token suffix shared by all sequences."""
+    return common_prefix_length([s[::-1] for s in seqs])
+
+
+def tokenize_example(
+    task_type: TaskType, prompts: Sequence[str], tokenizer: Tokenizer
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """Encode the prompts with BOS and find the scored span [start, end) of each row.
+
+    Returns (rows, starts, ends); LM tasks return the single prompt with the continuation.
+    """
+    tokens = [[tokenizer.bos_id, *tokenizer.encode_one(p)] for p in prompts]
+    ends = [len(t) for t in tokens]
+    if task_type == "multiple_choice":
+        start = common_prefix_length(tokens)
+        return tokens, [start] * len(tokens), ends
+    if task_type == "schema":
+        suffix = common_suffix_length(tokens)
+        return tokens, [e - suffix for e in ends], ends
+    if task_type == "language_modeling":
+        without, with_cont = tokens
+        if len(without) >= len(with_cont) or with_cont[: len(without)] != without:
+            raise ValueError("LM prompt without the continuation must tokenize to a prefix")
+        return [with_cont], [len(without)], [len(with_cont)]
+    raise ValueError(f"unknown task type {task_type!r}")
+
+
+def stack_rows(rows: Sequence[Sequence[int]], pad_id: int, pad_multiple: int = 1) -> np.ndarray:
+    """Right-pad rows with pad_id into (B, T) int32, T rounded up to a multiple of pad_multiple.
+
+    Extra right padding leaves a causal model's logits at earlier positions unchanged; it only
+    bounds the number of distinct shapes a jitted forward sees.
+    """
+    longest = max(len(r) for r in rows)
+    width = -(-longest // pad_multiple) * pad_multiple
+    out = np.full((len(rows), width), pad_id, dtype=np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring.
+
+
+def span_nats(span_logits: np.ndarray, targets: np.ndarray) -> float:
+    """Sum of the cross-entropies (nats) of targets (n,) under span_logits (n, V)."""
+    x = np.asarray(span_logits, dtype=np.float64)
+    if x.shape[0] == 0:
+        return 0.0
+    m = x.max(axis=-1)
+    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=-1))
+    return float((lse - x[np.arange(x.shape[0]), targets]).sum())
+
+
+def evaluate_example(
+    idx: int,
+    data: Sequence[dict[str, Any]],
+    task: CoreTask,
+    tokenizer: Tokenizer,
+    logits_fn: LogitsFn,
+    pad_multiple: int = 1,
+) -> bool:
+    """Whether the model gets example idx of the (shuffled, truncated) task data right."""
+    item = data[idx]
+    fewshot = [data[i] for i in sample_fewshot(idx, len(data), task.num_fewshot)]
+    render = {
+        "multiple_choice": render_prompts_mc,
+        "schema": render_prompts_schema,
+        "language_modeling": render_prompts_lm,
+    }[task.task_type]
+    prompts = render(item, task.delimiter, fewshot)
+    rows, starts, ends = tokenize_example(task.task_type, prompts, tokenizer)
+    ids = stack_rows(rows, tokenizer.bos_id, pad_multiple)
+    logits = logits_fn(ids)  # sliced before any host transfer: only the spans are fetched
+    if task.task_type == "language_modeling":
+        s, e = starts[0], ends[0]
+        predicted = np.asarray(logits[0, s - 1 : e - 1]).argmax(axis=-1)
+        return bool(np.array_equal(predicted, ids[0, s:e]))
+    scores = []
+    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        nats = span_nats(logits[i, s - 1 : e - 1], ids[i, s:e])  # position t predicts t + 1
+        num_bytes = len(tokenizer.decode(rows[i][s:e]).encode("utf-8"))
+        scores.append(nats / max(1, num_bytes))
+    return int(np.argmin(scores)) == item["gold"]
+
+
+def evaluate_task(
+    data: Sequence[dict[str, Any]],
+    task: CoreTask,
+    tokenizer: Tokenizer,
+    logits_fn: LogitsFn,
+    pad_multiple: int = 1,
+) -> float:
+    """Accuracy of the model over all examples of `data` (already shuffled and truncated)."""
+    correct = sum(
+        evaluate_example(i, data, task, tokenizer, logits_fn, pad_multiple)
+        for i in range(len(data))
+    )
+    return correct / len(data)
+
+
+def centered_accuracy(accuracy: float, random_baseline: float) -> float:
+    """(acc - r) / (1 - r) with r = random_baseline / 100."""
+    r = 0.01 * random_baseline
+    return (accuracy - r) / (1.0 - r)
+
+
+def load_task_data(
+    bundle_dir: str | Path, task: CoreTask, max_per_task: int = -1
+) -> list[dict[str, Any]] | None:
+    """The task's examples, shuffled with Random(1337) and truncated; None if the file is absent."""
+    path = Path(bundle_dir) / "eval_data" / task.dataset_uri
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        data = [json.loads(line) for line in f if line.strip()]
+    random.Random(DATA_SHUFFLE_SEED).shuffle(data)
+    if max_per_task > 0:
+        data = data[:max_per_task]
+    return data
+
+
+def select_tasks(tasks: Iterable[str] | None) -> list[CoreTask]:
+    """CORE tasks in table order, restricted to the given labels (all 21 when None)."""
+    if tasks is None:
+        return list(CORE_TASKS)
+    wanted = set(tasks)
+    unknown = wanted - TASKS_BY_LABEL.keys()
+    if unknown:
+        raise ValueError(f"unknown CORE tasks: {sorted(unknown)}")
+    return [t for t in CORE_TASKS if t.label in wanted]
+
+
+def evaluate_core(
+    bundle_dir: str | Path,
+    tokenizer: Tokenizer,
+    logits_fn: LogitsFn,
+    max_per_task: int = -1,
+    tasks: Iterable[str] | None = None,
+    pad_multiple: int = DEFAULT_PAD_MULTIPLE,
+) -> dict[str, Any]:
+    """Run every selected task whose jsonl is in the bundle.
+
+    Returns a dict with `results` (accuracy per task), `centered_results`, `num_examples`,
+    `core_metric` (mean centered accuracy over the available tasks; nan if none), `num_tasks`
+    (available), `num_tasks_total` (selected) and `missing_tasks` (labels not in the bundle).
+    """
+    selected = select_tasks(tasks)
+    results: dict[str, float] = {}
+    centered: dict[str, float] = {}
+    num_examples: dict[str, int] = {}
+    missing: list[str] = []
+    for task in selected:
+        data = load_task_data(bundle_dir, task, max_per_task)
+        if not data:
+            logger.info("%s: not in the bundle, skipped", task.label)
+            missing.append(task.label)
+            continue
+        t0 = time.perf_counter()
+        acc = evaluate_task(data, task, tokenizer, logits_fn, pad_multiple)
+        results[task.label] = acc
+        centered[task.label] = centered_accuracy(acc, task.random_baseline)
+        num_examples[task.label] = len(data)
+        logger.info(
+            "%s (%d-shot, %s, n=%d): accuracy %.4f | centered %.4f | %.1fs",
+            task.label,
+            task.num_fewshot,
+            task.task_type,
+            len(data),
+            acc,
+            centered[task.label],
+            time.perf_counter() - t0,
+        )
+    core = sum(centered.values()) / len(centered) if centered else math.nan
+    return {
+        "results": results,
+        "centered_results": centered,
+        "num_examples": num_examples,
+        "core_metric": core,
+        "num_tasks": len(centered),
+        "num_tasks_total": len(selected),
+        "missing_tasks": missing,
+    }
+
+
+_TYPE_SHORT = {"multiple_choice": "MC", "schema": "schema", "language_modeling": "LM"}
+
+
+def format_core_table(results: dict[str, Any]) -> str:
+    """Per-task table (accuracy, centered) and the aggregate line of an `evaluate_core` result."""
+    labels = [*results["results"], *results["missing_tasks"]]
+    order = {t.label: i for i, t in enumerate(CORE_TASKS)}
+    width = max(len(label) for label in [*labels, "Task"])
+    lines = [f"{'Task':<{width}}  {'Type':<6}  Shots  {'N':>6}  Accuracy  Centered"]
+    for label in sorted(labels, key=order.__getitem__):
+        task = TASKS_BY_LABEL[label]
+        head = f"{label:<{width}}  {_TYPE_SHORT[task.task_type]:<6}  {task.num_fewshot:>5}"
+        if label in results["results"]:
+            lines.append(
+                f"{head}  {results['num_examples'][label]:>6}  {results['results'][label]:>8.4f}"
+                f"  {results['centered_results'][label]:>8.4f}"
+            )
+        else:
+            lines.append(f"{head}  {'-':>6}  {'missing':>8}  {'-':>8}")
+    summary = (
+        f"CORE {results['core_metric']:.4f} (mean centered accuracy over "
+        f"{results['num_tasks']} of {results['num_tasks_total']} tasks"
+    )
+    if results["missing_tasks"]:
+        summary += f"; missing: {', '.join(results['missing_tasks'])}"
+    lines.append(summary + ")")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """CLI: evaluate a checkpoint on every available CORE task and print the table."""
+    parser = argparse.ArgumentParser(prog="python -m bov_jax.evals.core", description=__doc__)
+    parser.add_argument("--workdir", required=True, help="training workdir with the checkpoint")
+    parser.add_argument("--bundle-dir", default=str(DEFAULT_BUNDLE_DIR))
+    parser.add_argument("--max-per-task", type=int, default=-1, help="examples per task (-1: all)")
+    parser.add_argument("--tasks", default="", help="comma-separated task labels (default: all)")
+    parser.add_argument("--pad-multiple", type=int, default=DEFAULT_PAD_MULTIPLE)
+    parser.add_argument("--output", default="", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not (Path(args.bundle_dir) / "eval_data").is_dir():
+        sys.exit(
+            f"no CORE bundle at {args.bundle_dir}; build one with "
+            f"`python -m bov_jax.evals.bundle --out {args.bundle_dir}`"
+        )
+    from bov_jax.evals.loading import load_logits_fn
+
+    tokenizer, logits_fn = load_logits_fn(args.workdir)
+    tasks = [t for t in args.tasks.split(",") if t] or None
+    results = evaluate_core(
+        args.bundle_dir, tokenizer, logits_fn, args.max_per_task, tasks, args.pad_multiple
+    )
+    print(format_core_table(results))
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
