@@ -43,9 +43,11 @@ def initialize_distributed() -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    # Our own log lines at INFO; library chatter (orbax, absl) only from WARNING up.
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", force=True
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", force=True
     )
+    logging.getLogger("bov_jax").setLevel(logging.INFO)
     initialize_distributed()
     from bov_jax.train.loop import run
 

@@ -19,14 +19,14 @@ def get_config():
     m.seq_len = 512
     t = config.train
     t.target_flops = -1.0
-    t.num_steps = 300
+    t.num_steps = 200
     t.total_batch_tokens = 8 * 512
     t.device_batch_size = 8
     t.log_every = 10
-    t.eval_every = 100
-    t.eval_tokens = 64 * 512
+    t.eval_every = 50
+    t.eval_tokens = 32 * 512
     t.sample_every = 100
     config.optim.reference_batch_tokens = t.total_batch_tokens
     config.optim.warmup_steps = 20
-    config.checkpoint.save_every = 100
+    config.checkpoint.save_every = 50
     return config

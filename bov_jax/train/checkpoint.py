@@ -91,20 +91,19 @@ class Checkpoints:
         except (OSError, json.JSONDecodeError) as err:
             raise CheckpointError(step, path, f"config unreadable: {err}") from err
 
-    def restore(self, step: int, target: TrainState, data_iter: Any) -> TrainState:
-        """Restore into `target`'s structure and shardings (a concrete or abstract state);
-        `data_iter` is advanced to the saved position in place."""
+    def restore(self, step: int, target: TrainState, data_iter: Any = None) -> TrainState:
+        """Restore into `target`'s structure and shardings (a concrete or abstract state).
+
+        With `data_iter`, the iterator is also moved to the saved position, in place.
+        """
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
         )
+        items = {"state": ocp.args.StandardRestore(abstract)}
+        if data_iter is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         try:
-            restored = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract),
-                    data=grain.checkpoint.CheckpointRestore(data_iter),
-                ),
-            )
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as err:  # orbax raises many types; name the step and directory
             raise CheckpointError(step, self.directory / str(step), str(err)) from err
         return restored.state

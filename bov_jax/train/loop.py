@@ -24,7 +24,10 @@ import jax.numpy as jnp
 from bov_jax import sharding
 from bov_jax.accounting import training_plan
 from bov_jax.config import validate_config
-from bov_jax.data.pipeline import load_data_tokenizer, make_batch_iterator, unigram_bpb
+from bov_jax.data.config import tokenizer_path, validate_data_config
+from bov_jax.data.pipeline import make_batch_iterator
+from bov_jax.data.tokenizer import load_tokenizer
+from bov_jax.data.unigram import unigram_bpb
 from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train import schedules
@@ -84,6 +87,27 @@ def evaluate_bpb(config, layout, mesh, eval_step, params, token_bytes, tokenizer
     return bits_per_byte(nats, nbytes)
 
 
+class Profiler:
+    """A jax.profiler trace of steps [start, start + count) and the compiled step's HLO."""
+
+    def __init__(self, workdir: Path, start: int, count: int, dump_hlo: bool):
+        self.dir, self.start, self.stop = workdir, start, start + count
+        self.dump_hlo = dump_hlo and jax.process_index() == 0
+
+    def before_step(self, step: int, train_step, state, batch) -> None:
+        if self.dump_hlo:
+            hlo = train_step.lower(state, batch).compile().as_text()
+            (self.dir / "train_step.hlo.txt").write_text(hlo)
+            self.dump_hlo = False
+        if step == self.start and self.stop > self.start:
+            jax.profiler.start_trace(str(self.dir / "profile"))
+
+    def after_step(self, step: int, out: dict) -> None:
+        if step == self.stop - 1 and self.stop > self.start >= 0:
+            jax.block_until_ready(out)
+            jax.profiler.stop_trace()
+
+
 def log_sample(graphdef, params, tokenizer, max_new_tokens: int) -> None:
     """Greedy continuation of a fixed prompt, so runs can be compared by eye."""
     from flax import nnx
@@ -103,7 +127,10 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     spec = ModelSpec.from_config(config.model)
     mesh = sharding.make_mesh(config.mesh)
     layout = BatchLayout.resolve(config, plan, mesh)
-    tokenizer = load_data_tokenizer(config.data, config.model.vocab_size)
+    validate_data_config(config.data, config.model.vocab_size, config.model.seq_len)
+    tokenizer = load_tokenizer(
+        tokenizer_path(config.data), config.model.vocab_size, config.data.encode_threads
+    )
     is_main = jax.process_index() == 0
     workdir.mkdir(parents=True, exist_ok=True)
     config_dict = json.loads(config.to_json_best_effort())
@@ -137,6 +164,7 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     log.info("unigram reference line: val BPB %.4f", unigram)
 
     metrics = MetricsWriter(workdir)
+    profiler = Profiler(workdir, t.profile_start_step, t.profile_num_steps, t.dump_hlo)
     stop = StopRequest()
     step = int(state.step)
     start_step = step
@@ -169,7 +197,9 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
                 mesh,
                 leading=1,
             )
+            profiler.before_step(step, train_step, state, batch)
             state, out = train_step(state, batch)
+            profiler.after_step(step, out)
             loss = float(out["loss"])
             if not bool(out["finite"]):
                 if not t.skip_nonfinite:
