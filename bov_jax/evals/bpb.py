@@ -44,3 +44,48 @@ def bits_per_byte(sum_nats: float, sum_bytes: float) -> float:
     if sum_bytes <= 0:
         raise ValueError("bits_per_byte: no target bytes were counted (sum_bytes == 0)")
     return float(sum_nats) / (math.log(2) * sum_bytes)
+
+
+def evaluate_workdir(workdir: str, eval_tokens: int, batch_rows: int) -> dict:
+    """Val BPB of a workdir's latest checkpoint over about `eval_tokens` val tokens."""
+    from flax import nnx
+
+    from bov_jax.data.pipeline import make_batch_iterator
+    from bov_jax.evals.loading import load_model_and_tokenizer
+    from bov_jax.model.gpt import cross_entropy
+
+    model, tokenizer, config = load_model_and_tokenizer(workdir)
+    graphdef, params = nnx.split(model)
+    seq_len = config.model.seq_len
+
+    @jax.jit
+    def step(p, inputs, targets, token_bytes):
+        per_token = cross_entropy(nnx.merge(graphdef, p)(inputs), targets, reduction="none")
+        return bpb_sums(per_token, targets, token_bytes)
+
+    batches = make_batch_iterator(config.data, split="val", seq_len=seq_len, batch_size=batch_rows,
+                                  seed=config.seed, tokenizer=tokenizer)
+    token_bytes = jnp.asarray(tokenizer.token_bytes())
+    steps = max(1, eval_tokens // (batch_rows * seq_len))
+    nats = nbytes = 0.0
+    for _ in range(steps):
+        batch = next(batches)
+        n, b = step(params, batch["inputs"], batch["targets"], token_bytes)
+        nats, nbytes = nats + float(n), nbytes + float(b)
+    return {"val_bpb": bits_per_byte(nats, nbytes), "tokens": steps * batch_rows * seq_len}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Val bits per byte of a workdir's checkpoint.")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--eval_tokens", type=int, default=80 * 2**19)
+    parser.add_argument("--batch_rows", type=int, default=8)
+    args = parser.parse_args(argv)
+    print(json.dumps(evaluate_workdir(args.workdir, args.eval_tokens, args.batch_rows)))
+
+
+if __name__ == "__main__":
+    main()
