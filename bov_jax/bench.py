@@ -112,10 +112,10 @@ def main(argv: list[str]) -> None:
         results.append(bench_train(path))
         print(json.dumps(results[-1]), flush=True)
     base = results[0]
-    print(f"\n{'config':28} {'step ms':>9} {'tok/s':>12} {'MFU':>7} {'compile s':>10} {'speed vs first':>15}")
+    print(f"\n{'config':36} {'step ms':>9} {'tok/s':>12} {'MFU':>7} {'compile s':>10} {'speed vs first':>15}")
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(f"{r['config']:28} {r['step_ms']:9.1f} {r['tokens_per_sec']:12,.0f} {mfu:>7} "
+        print(f"{r['config']:36} {r['step_ms']:9.1f} {r['tokens_per_sec']:12,.0f} {mfu:>7} "
               f"{r['compile_s']:10.1f} {r['tokens_per_sec'] / base['tokens_per_sec']:15.3f}")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
