@@ -178,7 +178,11 @@ def training_plan(config: Any) -> TrainingPlan:
         horizon_source=source,
         batch_lr_scale=math.sqrt(batch / b_ref),
         dmodel_lr_scale=(spec.d_model / o.reference_d_model) ** -0.5,
-        muon_weight_decay=o.weight_decay * math.sqrt(batch / b_ref) * (d_ref / target_tokens),
+        muon_weight_decay=(
+            o.weight_decay * math.sqrt(batch / b_ref) * (d_ref / target_tokens)
+            if o.scale_weight_decay
+            else o.weight_decay
+        ),
     )
 
 

@@ -74,6 +74,9 @@ def default_config() -> ml_collections.ConfigDict:
     o.value_table_lr_mult = 0.5
     o.alpha_lr_mult = 0.01
     o.weight_decay = 0.28
+    # The reference scales Muon's weight decay by sqrt(B / B_ref) * D_ref / D (spec 3.4), with
+    # the d12 model as anchor; far from that size (tiny CPU models) the rule gives decays > 1.
+    o.scale_weight_decay = True
     o.adam_eps = 1e-10
     o.embedding_betas = (0.8, 0.995)
     o.unembedding_betas = (0.8, 0.96)
@@ -107,6 +110,9 @@ def default_config() -> ml_collections.ConfigDict:
     t.total_batch_tokens = -1  # -1: the auto batch-size rule
     t.device_batch_size = 32
     t.stop_after_steps = -1  # end this invocation early (scheduler chunks)
+    # Independent data streams (0: one per process). The data order depends on this number
+    # only, so fixing it lets a run resume on another process count.
+    t.data_streams = 0
     t.log_every = 1
     t.eval_every = 250
     t.eval_tokens = 80 * 2**19
@@ -126,6 +132,10 @@ def default_config() -> ml_collections.ConfigDict:
     ck.save_every = 0  # 0: only at the end
     ck.keep = 2
     ck.async_save = True
+    ck.fallback = False  # resume from the previous checkpoint if the latest one is damaged
+    # A workdir or step directory to take the parameters from (fine-tuning; optimizer, step and
+    # data start fresh). Used only while this workdir has no checkpoint of its own.
+    ck.init_params_from = ""
 
     c.data = default_data_config()
     return c

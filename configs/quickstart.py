@@ -2,8 +2,10 @@
 
 Depth 4, width 256 (two heads of 128), sequence 512, the 8192-token sentencepiece model
 shipped with the embedded corpus, BoV (a bank and a learned gamma) in layers 2 and 3.
-The reference scales learning rates by sqrt(batch / 2**19); at this tiny batch that would
-stall learning, so the reference batch is set to this run's batch (scale 1).
+The reference scales learning rates by sqrt(batch / 2**19) and Muon's weight decay by the
+data ratio to its d12 anchor; at this tiny size the first would stall learning and the
+second would give a decay of about 5, so the reference batch is this run's batch (LR scale 1)
+and the weight decay is the d12 value, unscaled.
 """
 
 from bov_jax.presets import config_for
@@ -27,6 +29,11 @@ def get_config():
     t.eval_tokens = 32 * 512
     t.sample_every = 100
     config.optim.reference_batch_tokens = t.total_batch_tokens
+    config.optim.scale_weight_decay = False
     config.optim.warmup_steps = 20
     config.checkpoint.save_every = 50
+    # The corpus' documents are chapters and addresses, far longer than a 512-token row:
+    # the reference packing would crop ~65% of the tokens away, so long documents are cut
+    # into BOS-prefixed pieces of at most one row instead.
+    config.data.max_doc_tokens = m.seq_len + 1
     return config

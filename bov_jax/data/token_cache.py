@@ -1,0 +1,158 @@
+"""Pre-tokenized cache of a shard directory: a TFDS builder writing ArrayRecord, read by grain.
+
+    python -m bov_jax.data.token_cache --data-dir DIR [--tokenizer-dir T] [--cache-dir C]
+
+One record per document, in split order (file, row group, row): `tokens` holds the document's
+ids with BOS first, or nothing when the document was skipped as bad. TFDS builds it offline and
+without TensorFlow. The cache lives in `<cache_dir>/<fingerprint>/`; the fingerprint covers the
+tokenizer, the shard files and the skip switch, so a changed input never reads a stale cache.
+The tokenizer defaults to DATA_DIR/tokenizer and the cache directory to DATA_DIR/token_cache;
+build it ahead of a multi-process run (otherwise the first iterator of each process builds it).
+"""
+
+import argparse
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+import pyarrow.parquet as pq
+import tensorflow_datasets as tfds
+
+from bov_jax.data import shards
+from bov_jax.data.config import default_data_config, tokenizer_path
+from bov_jax.data.documents import Unit, finish_documents
+from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+_VERSION = "1.0.0"
+
+
+class BovTokenCache(tfds.core.GeneratorBasedBuilder):
+    """Writes the tokenized documents of both splits of a shard directory."""
+
+    VERSION = tfds.core.Version(_VERSION)
+    # No checksums file to look up: without this, TFDS resolves the module's resource path,
+    # which needs the optional `importlib_resources` package.
+    code_path = None
+
+    def __init__(self, *, shard_dir: Path, tokenizer: Tokenizer, skip_bad: bool, **kwargs):
+        self._shard_dir = shard_dir
+        self._tokenizer = tokenizer
+        self._skip_bad = skip_bad
+        self._dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+        super().__init__(**kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        tokens = tfds.features.Tensor(
+            shape=(None,), dtype=self._dtype, encoding=tfds.features.Encoding.BYTES
+        )
+        return tfds.core.DatasetInfo(
+            builder=self,
+            features=tfds.features.FeaturesDict({"tokens": tokens}),
+            disable_shuffling=True,
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # everything is local
+        return {split: self._generate_examples(split) for split in shards.SPLITS}
+
+    def _generate_examples(self, split: str):
+        index = 0
+        for path in shards.split_files(self._shard_dir, split):
+            info = shards.check_shard(path)
+            parquet = pq.ParquetFile(path)
+            for rg in range(len(info.row_group_rows)):
+                where = f"{path}: row group {rg}"
+                texts: list[str | None] = []
+                for row, blob in enumerate(shards.read_raw(parquet, rg)):
+                    ok, _ = shards.decode_documents([blob], where, self._skip_bad, first_row=row)
+                    texts.append(ok[0] if ok else None)
+                ids = iter(self._tokenizer.encode([t for t in texts if t is not None]))
+                for text in texts:
+                    tokens = [] if text is None else [self._tokenizer.bos_id, *next(ids)]
+                    yield index, {"tokens": np.asarray(tokens, self._dtype)}
+                    index += 1
+
+
+def fingerprint(shard_dir: Path, tokenizer: Tokenizer, skip_bad: bool) -> str:
+    """16 hex digits naming the cache of (shards, tokenizer, skip switch, cache format)."""
+    digest = hashlib.sha256(f"{_VERSION} {tokenizer.sha256} {skip_bad}".encode())
+    for path in shards.list_shards(shard_dir):
+        info = shards.check_shard(path)
+        digest.update(f"{path.name} {path.stat().st_size} {info.row_group_rows}".encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_root(data_cfg: ml_collections.ConfigDict) -> Path:
+    """Where caches of `data_cfg.data_dir` live (data.cache_dir, default DATA_DIR/token_cache)."""
+    return Path(data_cfg.cache_dir or Path(data_cfg.data_dir) / "token_cache")
+
+
+def ensure_cache(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path:
+    """Returns the directory of the cache for `data_cfg` and `tokenizer`, building it if needed."""
+    shard_dir = Path(data_cfg.data_dir)
+    root = cache_root(data_cfg) / fingerprint(shard_dir, tokenizer, data_cfg.skip_bad_documents)
+    builder = BovTokenCache(
+        shard_dir=shard_dir,
+        tokenizer=tokenizer,
+        skip_bad=data_cfg.skip_bad_documents,
+        data_dir=str(root),
+        file_format="array_record",
+    )
+    if not (Path(builder.data_dir) / "dataset_info.json").exists():
+        start = time.time()
+        log.info("building the token cache of %s in %s", shard_dir, builder.data_dir)
+        builder.download_and_prepare()
+        log.info("token cache built in %.0f s", time.time() - start)
+    return Path(builder.data_dir)
+
+
+class CachedUnitReader:
+    """Reads a unit's documents from the cache (same output as documents.ParquetUnitReader)."""
+
+    def __init__(self, cache_dir: Path, split: str, bos_id: int, max_doc_tokens: int):
+        self._cache_dir = str(cache_dir)
+        self._split = split
+        self._bos_id = bos_id
+        self._max_doc_tokens = max_doc_tokens
+        self._source = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_source": None}
+
+    def records(self, first: int, count: int) -> list[np.ndarray]:
+        """Token arrays (BOS first, empty if skipped) of documents [first, first + count)."""
+        if self._source is None:
+            self._source = tfds.builder_from_directory(self._cache_dir).as_data_source(self._split)
+        return [r["tokens"] for r in self._source.__getitems__(range(first, first + count))]
+
+    def __call__(self, unit: Unit) -> dict:
+        records = self.records(unit.first_document, unit.stop - unit.start)
+        docs = [r[1:] for r in records if len(r)]
+        return finish_documents(docs, len(records) - len(docs), self._bos_id, self._max_doc_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--tokenizer-dir", type=Path, help="default: DATA_DIR/tokenizer")
+    parser.add_argument("--cache-dir", type=Path, help="default: DATA_DIR/token_cache")
+    parser.add_argument("--skip-bad-documents", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    data_cfg = default_data_config()
+    data_cfg.data_dir = str(args.data_dir.resolve())
+    data_cfg.tokenizer_dir = str(args.tokenizer_dir or "")
+    data_cfg.cache_dir = str(args.cache_dir or "")
+    data_cfg.skip_bad_documents = args.skip_bad_documents
+    tokenizer = load_tokenizer(tokenizer_path(data_cfg), num_threads=data_cfg.encode_threads)
+    print(ensure_cache(data_cfg, tokenizer))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The grain pipeline: batches, determinism, process split, splits, checkpoints, workers."""
+
+import grain
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from bov_jax.data import pipeline
+from bov_jax.data.config import default_data_config
+from bov_jax.data.documents import split_unit
+from bov_jax.data.packing import packing_stats
+from bov_jax.data.testing import corpus_with_tokenizer
+from bov_jax.data.tokenizer import load_tokenizer
+
+SEQ, BATCH = 64, 4
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return corpus_with_tokenizer(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def cfg(corpus, tmp_path):
+    c = default_data_config()
+    c.data_dir = str(corpus)
+    c.cache_dir = str(tmp_path / "cache")
+    c.buffer_size = 40
+    c.tokenizer_batch_size = 8
+    return c
+
+
+def take(cfg, n, split="train", seed=0, process_index=0, process_count=1, state=None):
+    iterator = pipeline.make_batch_iterator(
+        cfg,
+        split=split,
+        seq_len=SEQ,
+        batch_size=BATCH,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    if state is not None:
+        iterator.set_state(state)
+    batches = [next(iterator) for _ in range(n)]
+    iterator.close()
+    return batches
+
+
+def same(a, b):
+    return len(a) == len(b) and all(
+        np.array_equal(x["inputs"], y["inputs"]) and np.array_equal(x["targets"], y["targets"])
+        for x, y in zip(a, b)
+    )
+
+
+def test_batches_are_shifted_int32_rows_starting_with_bos(cfg):
+    bos = load_tokenizer(pipeline.tokenizer_path(cfg)).bos_id
+    for batch in take(cfg, 5):
+        assert set(batch) == {"inputs", "targets"}
+        for x in batch.values():
+            assert x.dtype == np.int32 and x.shape == (BATCH, SEQ)
+        np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+        assert (batch["inputs"][:, 0] == bos).all()
+
+
+def test_cache_and_on_the_fly_encoding_give_the_same_stream(cfg):
+    cached = take(cfg, 20)
+    cfg.use_cache = False
+    assert same(cached, take(cfg, 20))
+
+
+def test_stream_is_a_function_of_seed_and_process(cfg):
+    assert same(take(cfg, 8, seed=3), take(cfg, 8, seed=3))
+    assert not same(take(cfg, 8, seed=3), take(cfg, 8, seed=4))
+    assert not same(
+        take(cfg, 8, process_index=0, process_count=2),
+        take(cfg, 8, process_index=1, process_count=2),
+    )
+
+
+def documents_of_epoch(cfg, tokenizer, process_index, process_count):
+    """Documents (as token tuples) a process reads in its share of the first epoch(s)."""
+    units, reader = pipeline.unit_dataset(
+        cfg,
+        split="train",
+        seed=5,
+        process_index=process_index,
+        process_count=process_count,
+        tokenizer=tokenizer,
+    )
+    total = len(pipeline.split_units(cfg, "train", tokenizer)[0])
+    share = range(process_index, total, process_count)  # positions of the first epoch
+    return [tuple(d.tolist()) for i in range(len(share)) for d in split_unit(reader(units[i]))]
+
+
+def test_processes_together_read_what_one_process_reads(cfg):
+    tokenizer = load_tokenizer(pipeline.tokenizer_path(cfg))
+    one = documents_of_epoch(cfg, tokenizer, 0, 1)
+    for count in (2, 3):
+        parts = [documents_of_epoch(cfg, tokenizer, p, count) for p in range(count)]
+        merged = [d for part in parts for d in part]
+        assert sorted(merged) == sorted(one)  # same documents, each exactly once
+        assert len(set(merged)) == len(merged) == len(one)
+
+
+def test_val_split_is_fixed_and_never_mixes_with_train(cfg):
+    tokenizer = load_tokenizer(pipeline.tokenizer_path(cfg))
+    val = take(cfg, 10, split="val", seed=1)
+    assert same(val, take(cfg, 10, split="val", seed=2))  # the seed does not move val
+    for split, batches in (("val", val), ("train", take(cfg, 10))):
+        for row in np.concatenate([b["inputs"] for b in batches]):
+            for segment in np.split(row, np.flatnonzero(row == tokenizer.bos_id)[1:]):
+                marker = tokenizer.decode(segment.tolist()).split("-")[0]
+                assert marker in (split, split[: len(marker)]), marker  # a crop may cut the marker
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_restore_continues_the_exact_stream(cfg, use_cache):
+    cfg.use_cache = use_cache
+    iterator = pipeline.make_batch_iterator(
+        cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=7
+    )
+    for _ in range(25):  # past the first epoch, so the buffer spans epochs
+        next(iterator)
+    state = iterator.get_state()
+    expected = [next(iterator) for _ in range(15)]
+    stats = packing_stats(iterator)
+    iterator.close()
+    restored = pipeline.make_batch_iterator(
+        cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=7
+    )
+    restored.set_state(state)
+    assert same(expected, [next(restored) for _ in range(15)])
+    assert packing_stats(restored) == stats
+    restored.close()
+
+
+def test_orbax_checkpoint_of_the_iterator(cfg, tmp_path):
+    iterator = pipeline.make_batch_iterator(
+        cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=2
+    )
+    for _ in range(12):
+        next(iterator)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(12, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(iterator)))
+        manager.wait_until_finished()
+        expected = [next(iterator) for _ in range(6)]
+        fresh = pipeline.make_batch_iterator(
+            cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=2
+        )
+        manager.restore(12, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+    assert same(expected, [next(fresh) for _ in range(6)])
+    iterator.close()
+    fresh.close()
+
+
+def test_worker_processes_keep_the_stream(cfg):
+    expected = take(cfg, 12)
+    cfg.num_workers = 2
+    iterator = pipeline.make_batch_iterator(
+        cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=0
+    )
+    got = [next(iterator) for _ in range(6)]
+    state = iterator.get_state()
+    got += [next(iterator) for _ in range(6)]
+    iterator.close()
+    assert same(expected, got)
+    cfg.num_workers = 0
+    assert same(expected[6:], take(cfg, 6, state=state))
+
+
+def test_max_doc_tokens_splits_documents_and_crops_less(cfg):
+    tokenizer = load_tokenizer(pipeline.tokenizer_path(cfg))
+    iterator = pipeline.make_batch_iterator(
+        cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=0
+    )
+    [next(iterator) for _ in range(30)]
+    whole = packing_stats(iterator)
+    iterator.close()
+    cfg.max_doc_tokens = SEQ + 1
+    units, reader = pipeline.split_units(cfg, "train", tokenizer)
+    for unit in units:
+        docs = split_unit(reader(unit))
+        assert all(1 <= len(d) <= SEQ + 1 and d[0] == tokenizer.bos_id for d in docs)
+    iterator = pipeline.make_batch_iterator(
+        cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=0
+    )
+    [next(iterator) for _ in range(30)]
+    assert packing_stats(iterator).crop_fraction < whole.crop_fraction
+    iterator.close()
