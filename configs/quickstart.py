@@ -11,9 +11,11 @@ and the weight decay is the d12 value, unscaled.
 from bov_jax.presets import config_for
 
 
-def get_config():
-    config = config_for("d12_bov")
-    config.name = "quickstart"
+def get_config(preset: str = "d12_bov"):
+    """configs/quickstart.py[:<preset>]: the quickstart model with another preset's value
+    path, e.g. configs/quickstart.py:d12 for the baseline."""
+    config = config_for(preset)
+    config.name = f"quickstart_{preset}"
     m = config.model
     m.depth = 4
     m.model_dim = 256

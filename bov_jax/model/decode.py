@@ -13,12 +13,13 @@ rebuilt from something already held (spec section 8, paper section 4):
   v1    a source=v1, combine=replace target: V = coef * V1, and V1 at past positions is
         exactly layer 0's V cache, so the layer reads that instead of holding a copy.
 
-Batches of prompts of different lengths are right-aligned on positions 0..len-1 with no
-padding: `generate` prefills the shortest prompt's length for the whole batch at once,
-then steps one token at a time, feeding each row its own next prompt token while it is
-still inside its prompt and its sampled token afterwards. Every row therefore sees exactly
-the positions and smear inputs of an unpadded forward, and the cache needs one scalar
-position for the batch.
+Prompts of different lengths all start at position 0 (the token buffer is right-padded,
+the padding is never attended): `generate` prefills the shortest prompt's length for the
+whole batch in one call, then steps one token at a time, feeding each row its own next
+prompt token while it is still inside its prompt and its sampled token afterwards. Every
+row sees exactly the positions and smear inputs of an unpadded forward, and the cache
+needs one scalar position for the batch; the price is that prompt tokens past the
+shortest prompt are processed one step at a time.
 """
 
 from __future__ import annotations
@@ -48,10 +49,6 @@ class KVCache(NamedTuple):
     token_ids: jax.Array | None  # (B, S) int32 history, present when a layer gathers V
     prev_embedding: jax.Array  # (B, 1, D) pre-smear normalized embedding of the last token
     pos: jax.Array  # () int32: tokens processed so far (the next token's position)
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[1]
 
 
 def value_modes(spec: ModelSpec, eliminate_bank_v: bool = True) -> tuple[str, ...]:
@@ -133,12 +130,13 @@ def _block(
     mode: str,
     rope: tuple[jax.Array, jax.Array, jax.Array],
     v0: jax.Array | None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """One block on new tokens x (B, T, D) against its layer's cache (ids already written).
 
-    rope: (cos, sin, positions (T,)); v0: layer 0's V cache after this call's write.
-    Returns (x, the layer's K cache, its V cache or None, its new values (B, T, K), the
-    latter computed only where the layer has a V cache, else None).
+    mode: how the layer rebuilds its values if its V slot is None; rope: (cos, sin,
+    positions (T,)); v0: layer 0's V cache after this call's write. Returns (x, the
+    layer's K cache, its V cache, its values of the new tokens (B, T, K)); the last two
+    are None for a layer without a V cache.
     """
     attn, pos = block.attn, cache.pos
     cos, sin, positions = rope
@@ -195,7 +193,8 @@ def forward_cached(model: GPT, tokens: jax.Array, cache: KVCache) -> tuple[jax.A
     """Logits (B, T, vocab) of tokens (B, T) continuing the cache, and the updated cache.
 
     Works for a prefill (T > 1 at pos 0), a chunk (T > 1 at pos > 0) and a step (T == 1);
-    the caller keeps pos + T <= cache.max_len.
+    the caller keeps pos + T within the cache's S slots. Attention spans all S slots
+    (masked), so a step costs O(S), not O(pos).
     """
     x, cache = hidden_cached(model, tokens, cache)
     return model.logits(x), cache
@@ -226,8 +225,8 @@ class Prefilled(NamedTuple):
     """A batch after its common prefill, ready for `Engine.decode`."""
 
     cache: KVCache
-    logits: jax.Array  # (B, V) logits of the last prefilled position
     tokens: jax.Array  # (B, S) int32: prompts (zero-padded on the right), then generations
+    logits: jax.Array  # (B, V) logits of the last prefilled position
     prompt_lens: jax.Array  # (B,) int32
 
 
@@ -329,7 +328,7 @@ class Engine:
             dtype=self.cache_dtype,
             eliminate_bank_v=self.eliminate_bank_v,
         )
-        return Prefilled(cache, logits, jnp.asarray(tokens), jnp.asarray(lens))
+        return Prefilled(cache, jnp.asarray(tokens), logits, jnp.asarray(lens))
 
     def decode(
         self,
