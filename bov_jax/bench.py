@@ -1,11 +1,13 @@
-"""Train-step benchmark: tokens/s, step time, MFU and compile time, configs side by side.
+"""Benchmarks whose ratios are measured in one run.
 
     python -m bov_jax.bench train --configs=configs/d12.py,configs/d12_bov.py \
         [--device_batch_size=16 --seq_len=2048 --steps=10 --dtype=bfloat16 --attention=cudnn]
+    python -m bov_jax.bench data --configs=configs/quickstart.py [--seconds=5]
 
-Every config runs in this one process on the same devices, so the ratios printed at the
-end compare like with like. Batches are random tokens (the data pipeline has its own
-benchmark, `python -m bov_jax.data.bench`); one step is one micro-batch per device.
+`train`: tokens/s, step time, MFU and compile time of the compiled train step, configs side
+by side in this one process on the same devices. Batches are random tokens; one step is one
+micro-batch per device. `data`: tokens/s the data pipeline produces for the first config
+(with and without worker processes) next to what its train step consumes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ flags.DEFINE_integer("steps", 5, "Timed steps after the compile step.")
 flags.DEFINE_string("dtype", "", "Compute dtype override (bfloat16 on accelerators).")
 flags.DEFINE_string("attention", "", "Attention implementation override (xla | cudnn).")
 flags.DEFINE_string("json_out", "", "Also write the results to this JSON file.")
+flags.DEFINE_float("seconds", 5.0, "data: seconds of pipeline reading per measurement.")
 FLAGS = flags.FLAGS
 
 
@@ -103,10 +106,29 @@ def bench_train(path: str) -> dict[str, Any]:
     }
 
 
+def bench_data(path: str) -> None:
+    """Pipeline tokens/s (0 and 2 workers) against the train step's consumption."""
+    from bov_jax.data.bench import measure_pipeline
+
+    config = load_config(path)
+    seq, rows = config.model.seq_len, config.train.device_batch_size * jax.device_count()
+    produced = {
+        workers: measure_pipeline(config.data, seq, rows, FLAGS.seconds, workers)
+        for workers in (0, 2)
+    }
+    consumed = bench_train(path)["tokens_per_sec"]
+    print(f"trainer consumes {consumed:,.0f} tokens/s ({path})")
+    for workers, rate in produced.items():
+        print(f"pipeline, {workers} workers: {rate:,.0f} tokens/s = {rate / consumed:,.1f}x")
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[1] != "train":
-        raise app.UsageError("usage: python -m bov_jax.bench train --configs=a.py,b.py")
+    if len(argv) < 2 or argv[1] not in ("train", "data"):
+        raise app.UsageError("usage: python -m bov_jax.bench {train,data} --configs=a.py,b.py")
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}", flush=True)
+    if argv[1] == "data":
+        bench_data(FLAGS.configs[0])
+        return
     results = []
     for path in FLAGS.configs:
         results.append(bench_train(path))

@@ -1,15 +1,13 @@
-"""The data benchmark on the quickstart setting: the embedded corpus at seq_len 512."""
+"""The data benchmark's measurement function on the quickstart setting (speed itself is
+measured by `python -m bov_jax.bench data`, never asserted in a test)."""
 
 from bov_jax.data.bench import measure_pipeline
 from bov_jax.data.config import default_data_config
 
-# The quickstart trainer (depth 4, width 256, seq 512, 2 CPU cores) consumes 10-30k tokens/s.
-QUICKSTART_TOKENS_PER_SEC = 30_000
 
-
-def test_pipeline_outpaces_the_quickstart_trainer_fivefold(tmp_path):
+def test_measure_pipeline_reads_whole_batches(tmp_path):
     cfg = default_data_config()
     cfg.cache_dir = str(tmp_path)  # a fresh token cache, built by the first batch
-    rate = measure_pipeline(cfg, seq_len=512, batch_size=32, seconds=1.0, num_workers=0)
-    print(f"\nembedded corpus, token cache, no workers: {rate:,.0f} tokens/s")
-    assert rate >= 5 * QUICKSTART_TOKENS_PER_SEC
+    rate = measure_pipeline(cfg, seq_len=512, batch_size=4, seconds=0.2, num_workers=0)
+    assert rate > 0
+    assert any(tmp_path.iterdir())  # the cache was built where the config points
