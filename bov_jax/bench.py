@@ -47,8 +47,11 @@ def load_config(path: str) -> Any:
 
 def configure(config: Any) -> Any:
     m, t = config.model, config.train
-    for key, value in (("depth", FLAGS.depth), ("seq_len", FLAGS.seq_len),
-                       ("vocab_size", FLAGS.vocab_size)):
+    for key, value in (
+        ("depth", FLAGS.depth),
+        ("seq_len", FLAGS.seq_len),
+        ("vocab_size", FLAGS.vocab_size),
+    ):
         if value:
             m[key] = value
     if FLAGS.model_dim >= 0:
@@ -73,8 +76,9 @@ def bench_train(path: str) -> dict[str, Any]:
     rows, seq = config.train.device_batch_size * jax.device_count(), config.model.seq_len
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.model.vocab_size, (1, rows, seq + 1), dtype=np.int32)
-    batch = sharding.global_batch({"inputs": tokens[..., :-1], "targets": tokens[..., 1:]},
-                                  mesh, leading=1)
+    batch = sharding.global_batch(
+        {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}, mesh, leading=1
+    )
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
@@ -100,7 +104,9 @@ def bench_train(path: str) -> dict[str, Any]:
         "tokens_per_sec": round(tok_s, 1),
         "flops_per_token": plan.flops_per_token,
         "model_tflops_per_sec": round(tok_s * plan.flops_per_token / 1e12, 2),
-        "mfu": round(tok_s * plan.flops_per_token / (peak * jax.device_count()), 4) if peak else None,
+        "mfu": round(tok_s * plan.flops_per_token / (peak * jax.device_count()), 4)
+        if peak
+        else None,
         "loss": float(out["loss"]),
         "temp_gib": round(getattr(memory, "temp_size_in_bytes", 0) / 2**30, 2) if memory else None,
     }
@@ -134,11 +140,14 @@ def main(argv: list[str]) -> None:
         results.append(bench_train(path))
         print(json.dumps(results[-1]), flush=True)
     base = results[0]
-    print(f"\n{'config':36} {'step ms':>9} {'tok/s':>12} {'MFU':>7} {'compile s':>10} {'speed vs first':>15}")
+    header = f"{'step ms':>9} {'tok/s':>12} {'MFU':>7} {'compile s':>10} {'speed vs first':>15}"
+    print(f"\n{'config':36} {header}")
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(f"{r['config']:36} {r['step_ms']:9.1f} {r['tokens_per_sec']:12,.0f} {mfu:>7} "
-              f"{r['compile_s']:10.1f} {r['tokens_per_sec'] / base['tokens_per_sec']:15.3f}")
+        print(
+            f"{r['config']:36} {r['step_ms']:9.1f} {r['tokens_per_sec']:12,.0f} {mfu:>7} "
+            f"{r['compile_s']:10.1f} {r['tokens_per_sec'] / base['tokens_per_sec']:15.3f}"
+        )
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(results, f, indent=2)
