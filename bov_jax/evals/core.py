@@ -451,7 +451,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pad-multiple", type=int, default=DEFAULT_PAD_MULTIPLE)
     parser.add_argument("--output", default="", help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # quiet orbax / absl
+    logging.getLogger("bov_jax").setLevel(logging.INFO)
     if not (Path(args.bundle_dir) / "eval_data").is_dir():
         sys.exit(
             f"no CORE bundle at {args.bundle_dir}; build one with "
