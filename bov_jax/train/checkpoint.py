@@ -1,40 +1,97 @@
 """Checkpoints in the workdir through an Orbax CheckpointManager.
 
-A checkpoint `<workdir>/checkpoints/<step>/` holds the TrainState (parameters, optimizer
-state, step, RNG), the data iterator's state (grain's checkpoint support, one file per
-process) and the config as JSON. Saves are asynchronous and atomic: Orbax writes into a
-temporary directory and renames it when complete, so a save that dies half-way never
-replaces the last good checkpoint; the manager keeps the newest `checkpoint.keep`.
+A checkpoint `<workdir>/checkpoints/<step>/` holds
+
+  state/              the TrainState: parameters, optimizer state (optax counts, Muon and
+                      Adam buffers), step and RNG key; each process writes its own shards
+  data/               the position of every data stream, `stream_<j>-of-<n>.json` (grain's
+                      iterator state), written by the process that reads stream j
+  config/             the run's config as JSON
+  bov_manifest.json   size and CRC32 of the files above
+
+Saves are asynchronous and atomic: Orbax writes `<step>.orbax-checkpoint-tmp/` and renames it
+once every process has finished and process 0 has written the manifest into it, so a save
+that dies half-way never replaces the last good checkpoint (the leftover temporary directory
+is not a step, and the next save of that step replaces it). The newest `keep` are kept.
+
+Restoring checks the manifest first: a missing, truncated or corrupted file raises
+CheckpointError naming the step and the file. `restore_latest(..., fallback=True)` then moves
+that step aside (`<step>.corrupt-<time>`) and resumes from the one before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import time
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 
 from bov_jax.train.state import TrainState
 
-# Keys that may differ between a run and its resumption without changing the experiment.
+log = logging.getLogger("bov_jax")
+
+MANIFEST = "bov_manifest.json"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary step directory (atomic rename)
+# Orbax adds the commit time to this file after the manifest is written.
+UNCHECKED = {MANIFEST, "_CHECKPOINT_METADATA"}
+
+# Keys that may differ between a run and its resumption without changing the experiment:
+# frequencies and budgets of logging, evaluation, sampling and saving, the device layout
+# (mesh, micro-batch size: the same batch is accumulated differently) and the data loader's
+# parallelism.
 HARMLESS_PREFIXES = (
+    "name",
     "train.log_every",
     "train.eval_every",
+    "train.eval_tokens",
     "train.sample_every",
     "train.sample_tokens",
     "train.stop_after_steps",
+    "train.device_batch_size",
     "train.profile_",
     "train.dump_hlo",
     "train.skip_nonfinite",
+    "mesh.",
+    "model.attention_impl",
     "checkpoint.",
     "data.num_workers",
+    "data.read_threads",
+    "data.encode_threads",
+    "data.prefetch_buffer_size",
 )
 
 
+class ConfigMismatchError(ValueError):
+    """The workdir's checkpoint belongs to another experiment."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be restored: names the step and the file (or directory)."""
+
+    def __init__(self, step: int, path: Path | str, reason: str):
+        super().__init__(f"checkpoint at step {step}: {path}: {reason}")
+        self.step, self.path, self.reason = step, Path(path), reason
+
+
+class CheckpointFileError(OSError):
+    """A file of a step that cannot be read (raised inside handlers, which know no step)."""
+
+    def __init__(self, path: Path | str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
+
+
 def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
@@ -55,17 +112,137 @@ def experiment_differences(saved: dict, current: dict) -> list[str]:
     ]
 
 
+# ---------------------------------------------------------------------------------------------
+# Data streams: one grain iterator state per stream, written by the process that reads it.
+
+
+class StreamSet(Protocol):
+    """The data streams this process reads: `iterators[j]` for its stream indices j."""
+
+    count: int  # streams of the whole run
+    iterators: dict[int, Any]  # grain DatasetIterators with get_state / set_state
+
+
+def stream_file(index: int, count: int) -> str:
+    return f"stream_{index}-of-{count}.json"
+
+
+class DataStreamsHandler(ocp.CheckpointHandler):
+    """Orbax handler for the iterator states of this process's data streams (synchronous:
+    the states are taken when `save` is called, before the loop draws the next batch)."""
+
+    def save(self, directory: epath.Path, args: DataStreamsArgs) -> None:
+        for index, iterator in args.streams.iterators.items():
+            path = directory / stream_file(index, args.streams.count)
+            path.write_text(json.dumps(iterator.get_state()))
+
+    def restore(self, directory: epath.Path, args: DataStreamsArgs) -> StreamSet:
+        for index, iterator in args.streams.iterators.items():
+            path = directory / stream_file(index, args.streams.count)
+            try:
+                iterator.set_state(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise CheckpointFileError(path, f"data stream state unreadable: {err}") from err
+        return args.streams
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+
+@ocp.args.register_with_handler(DataStreamsHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class DataStreamsArgs(ocp.args.CheckpointArgs):
+    streams: StreamSet
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest: size and CRC32 of every file of a step, checked before restoring.
+
+
+def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def write_manifest(step_dir: Path) -> None:
+    files = {
+        str(p.relative_to(step_dir)): [p.stat().st_size, file_crc32(p)]
+        for p in sorted(step_dir.rglob("*"))
+        if p.is_file() and str(p.relative_to(step_dir)) not in UNCHECKED
+    }
+    (step_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def verify_manifest(step_dir: Path, step: int) -> None:
+    """Raise CheckpointError naming the first missing, truncated or corrupted file."""
+    path = step_dir / MANIFEST
+    if not path.exists():
+        if not step_dir.is_dir():
+            raise CheckpointError(step, step_dir, "no such checkpoint directory")
+        log.warning("%s has no %s: restoring it unverified", step_dir, MANIFEST)
+        return
+    try:
+        files = json.loads(path.read_text())["files"]
+        entries = [(name, int(size), int(crc)) for name, (size, crc) in files.items()]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(step, path, f"manifest unreadable: {err}") from err
+    for name, size, crc in entries:
+        file = step_dir / name
+        if not file.is_file():
+            raise CheckpointError(step, file, "missing")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(step, file, f"truncated: {actual} bytes, {size} expected")
+        if file_crc32(file) != crc:
+            raise CheckpointError(step, file, "corrupted: CRC32 differs from the manifest")
+
+
+def verify_everywhere(step_dir: Path, step: int) -> None:
+    """Process 0 checks the manifest (one read of the files); every process gets the verdict."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            verify_manifest(step_dir, step)
+        except CheckpointError as err:
+            error = err
+    if jax.process_count() > 1:
+        failed = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if failed and error is None:
+            error = CheckpointError(step, step_dir, "verification failed on process 0")
+    if error is not None:
+        raise error
+
+
+def abstract_like(tree: Any) -> Any:
+    """ShapeDtypeStructs with `tree`'s shapes, dtypes and shardings (a restore target)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
 class Checkpoints:
-    """Save and restore (TrainState, data iterator, config) by step."""
+    """Save and restore (TrainState, data streams, config) by step."""
 
     def __init__(self, workdir: str | Path, keep: int, async_save: bool = True):
         self.directory = Path(workdir).absolute() / "checkpoints"
+        self.async_save = async_save
+        self._saving: int | None = None
+        # Always asynchronous underneath, so that the manifest callback runs before the
+        # atomic rename; a synchronous save waits for it.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=True,
             create=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -73,57 +250,106 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: TrainState, data_iter: Any, config: dict) -> None:
+    def _write_manifest(self) -> None:
+        """Runs on process 0 after every process finished writing, before the rename."""
+        tmp = self.directory / f"{self._saving}{TMP_SUFFIX}"
+        write_manifest(tmp if tmp.is_dir() else self.step_dir(self._saving))
+
+    def save(self, step: int, state: TrainState, streams: StreamSet, config: dict) -> None:
+        self.manager.wait_until_finished()  # one save at a time: the callback knows its step
+        self._saving = step
         self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(data_iter),
+                data=DataStreamsArgs(streams),
                 config=ocp.args.JsonSave(config),
             ),
             force=True,
         )
+        if not self.async_save:
+            self.manager.wait_until_finished()
 
     def saved_config(self, step: int) -> dict:
-        path = self.directory / str(step) / "config" / "metadata"
+        path = self.step_dir(step) / "config" / "metadata"
         try:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise CheckpointError(step, path, f"config unreadable: {err}") from err
 
-    def restore(self, step: int, target: TrainState, data_iter: Any = None) -> TrainState:
-        """Restore into `target`'s structure and shardings (a concrete or abstract state).
+    def restore(
+        self, step: int, target: TrainState, streams: StreamSet | None = None, verify: bool = True
+    ) -> TrainState:
+        """Restore into `target`'s structure and shardings (a concrete or abstract state), so
+        a checkpoint written on another mesh or device count is resharded onto this one.
 
-        With `data_iter`, the iterator is also moved to the saved position, in place.
+        With `streams`, the data iterators are also moved to the saved positions, in place.
         """
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
-        )
-        items = {"state": ocp.args.StandardRestore(abstract)}
-        if data_iter is not None:
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        if verify:
+            verify_everywhere(self.step_dir(step), step)
+        items = {"state": ocp.args.StandardRestore(abstract_like(target))}
+        if streams is not None:
+            items["data"] = DataStreamsArgs(streams)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except CheckpointFileError as err:
+            raise CheckpointError(step, err.path, err.reason) from err
         except Exception as err:  # orbax raises many types; name the step and directory
-            raise CheckpointError(step, self.directory / str(step), str(err)) from err
+            raise CheckpointError(step, self.step_dir(step), str(err)) from err
         return restored.state
 
-    def restore_latest(self, state: TrainState, data_iter: Any, config: dict) -> TrainState:
-        """The latest checkpoint's state (and data position), or `state` if there is none.
+    def restore_latest(
+        self, state: TrainState, streams: StreamSet, config: dict, fallback: bool = False
+    ) -> TrainState:
+        """The latest checkpoint's state (and data positions), or `state` if there is none.
 
-        Stops with the list of differing keys if the checkpoint belongs to another
-        experiment (model, value path, optimizer, data, horizon).
+        Stops with the list of differing keys if the checkpoint belongs to another experiment.
+        A checkpoint that cannot be restored raises CheckpointError; with `fallback`, it is
+        moved aside and the previous one is tried.
         """
-        step = self.latest_step()
-        if step is None:
-            return state
+        steps = self.all_steps()
+        for step in reversed(steps):
+            try:
+                return self._restore_checked(step, state, streams, config)
+            except CheckpointError as err:
+                if not fallback:
+                    raise CheckpointError(
+                        err.step,
+                        err.path,
+                        f"{err.reason} (--config.checkpoint.fallback=True resumes from the "
+                        "previous checkpoint instead)",
+                    ) from err
+                log.warning("%s; falling back to the previous checkpoint", err)
+                self.quarantine(step)
+        if steps:
+            raise CheckpointError(steps[0], self.directory, "no earlier checkpoint to fall back to")
+        return state
+
+    def _restore_checked(
+        self, step: int, state: TrainState, streams: StreamSet, config: dict
+    ) -> TrainState:
+        verify_everywhere(self.step_dir(step), step)
         differences = experiment_differences(self.saved_config(step), config)
         if differences:
             raise ConfigMismatchError(
-                f"{self.directory / str(step)} was written by a different experiment; "
-                "differing config keys:\n  " + "\n  ".join(differences)
+                f"{self.step_dir(step)} was written by a different experiment; differing "
+                "config keys:\n  " + "\n  ".join(differences) + "\nUse another workdir, or "
+                f"start one from these parameters only with "
+                f"--config.checkpoint.init_params_from={self.directory.parent}"
             )
-        return self.restore(step, state, data_iter)
+        restored = self.restore(step, state, streams, verify=False)
+        log.info("resumed from %s", self.step_dir(step))
+        return restored
+
+    def quarantine(self, step: int) -> None:
+        """Move a bad step out of the manager's sight (kept for inspection)."""
+        if jax.process_index() == 0:
+            bad = self.directory / f"{step}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+            self.step_dir(step).rename(bad)
+            log.warning("moved checkpoint %d aside to %s", step, bad)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"bov_jax quarantine {step}")
+        self.manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -132,11 +358,64 @@ class Checkpoints:
         self.manager.close()
 
 
-class ConfigMismatchError(ValueError):
-    pass
+# ---------------------------------------------------------------------------------------------
+# Parameters only (fine-tuning from another run's checkpoint).
 
 
-class CheckpointError(RuntimeError):
-    def __init__(self, step: int, path: Path, reason: str):
-        super().__init__(f"checkpoint at step {step} ({path}) cannot be restored: {reason}")
-        self.step = step
+def source_step_dir(source: str | Path) -> Path:
+    """A step directory, or a workdir / checkpoints directory (its latest step)."""
+    path = Path(source).absolute()
+    if (path / "state").is_dir():
+        return path
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    if not steps:
+        raise FileNotFoundError(f"checkpoint.init_params_from={source}: no checkpoint there")
+    return directory / str(steps[-1])
+
+
+def leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{'params/blocks/0/...': shape} (saved dict keys are strings, ours may be ints)."""
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def parameter_differences(step_dir: Path, target_params: dict) -> list[str]:
+    """'path: saved shape -> wanted shape' for every parameter that differs or is absent."""
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(step_dir / "state").item_metadata.tree
+    saved, wanted = leaf_shapes(tree["params"]), leaf_shapes(target_params)
+    return [
+        f"{k}: {saved.get(k, '<absent>')} -> {wanted.get(k, '<absent>')}"
+        for k in sorted(set(saved) | set(wanted))
+        if saved.get(k) != wanted.get(k)
+    ]
+
+
+def load_parameters(source: str | Path, target_params: dict) -> dict:
+    """The parameters of a checkpoint, placed like `target_params` (same tree and shapes).
+
+    Raises ValueError listing every parameter whose presence or shape differs.
+    """
+    step_dir = source_step_dir(source)
+    verify_everywhere(step_dir, int(step_dir.name))
+    differences = parameter_differences(step_dir, target_params)
+    if differences:
+        raise ValueError(
+            f"cannot initialise from {step_dir}: parameters differ (saved -> this model):\n  "
+            + "\n  ".join(differences)
+        )
+    item = {"params": abstract_like(target_params)}
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        restored = checkpointer.restore(
+            step_dir / "state",
+            args=ocp.args.PyTreeRestore(
+                item=item,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True,
+            ),
+        )
+    log.info("initialised the parameters from %s (optimizer, step and data start fresh)", step_dir)
+    return restored["params"]

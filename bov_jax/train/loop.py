@@ -1,14 +1,22 @@
 """The training loop: config -> mesh -> state -> steps -> metrics and checkpoints.
 
 Read top to bottom: `run` validates everything, builds the mesh, state and data, restores
-the latest checkpoint if the workdir has one, and then loops over steps. Evaluation runs at
-step 0, every `train.eval_every` steps and at the end (val BPB on a fixed token budget from
-a fresh validation iterator, as the reference does); checkpoints at `checkpoint.save_every`,
-at the end, when `train.stop_after_steps` is reached and on SIGTERM/SIGINT.
+the latest checkpoint if the workdir has one (or takes the parameters of another run's
+checkpoint, `checkpoint.init_params_from`), and hands over to `Trainer.train`. Evaluation runs
+at step 0, every `train.eval_every` steps and at the end (val BPB on a fixed token budget from
+fresh validation iterators, as the reference does); checkpoints at `checkpoint.save_every`, at
+the end, when `train.stop_after_steps` is reached and on SIGTERM/SIGINT.
+
+A resumed run is the same run: the checkpoint restores parameters, optimizer state, step, RNG
+and the position of every data stream, and metrics.jsonl is cut back to the restored step so
+that every step appears once. A step with a non-finite loss or gradient leaves the state
+unchanged; the run stops there without saving (the last good checkpoint stays the latest)
+unless `train.skip_nonfinite`, which draws the next batch instead.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -20,71 +28,151 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 
 from bov_jax import sharding
-from bov_jax.accounting import training_plan
+from bov_jax.accounting import TrainingPlan, training_plan
 from bov_jax.config import validate_config
 from bov_jax.data.config import tokenizer_path, validate_data_config
 from bov_jax.data.pipeline import make_batch_iterator
-from bov_jax.data.tokenizer import load_tokenizer
+from bov_jax.data.token_cache import ensure_cache
+from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.data.unigram import unigram_bpb
 from bov_jax.evals.bpb import bits_per_byte
-from bov_jax.model.spec import ModelSpec
 from bov_jax.train import schedules
-from bov_jax.train.checkpoint import Checkpoints
+from bov_jax.train.checkpoint import Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
-from bov_jax.train.state import create_train_state
+from bov_jax.train.state import TrainState, create_train_state
 from bov_jax.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger("bov_jax")
 
+MAX_SKIPPED_IN_A_ROW = 16  # train.skip_nonfinite gives up after this many bad batches
+
 
 class NonFiniteLossError(RuntimeError):
-    pass
+    """A step's loss or gradient was not finite (and skipping was not allowed or gave up)."""
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` in one rename: readers see the old or the new file, never a part."""
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        json.dump(payload, tmp, indent=2)
+        tmp.write(text)
     os.replace(tmp.name, path)
 
 
+def write_json_atomic(path: Path, payload: dict) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2))
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps before `step` (a resumed run rewrites the rest).
+
+    A line cut short by a killed process is dropped too.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    write_text_atomic(path, "".join(kept))
+
+
 class StopRequest:
-    """Turns SIGTERM / SIGINT into a flag the loop checks between steps."""
+    """Turns SIGTERM / SIGINT into a flag the loop checks between steps.
+
+    The first signal only sets the flag; the previous handlers are then put back, so a second
+    one acts as usual (a second Ctrl-C interrupts at once).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signal_name: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:
         self.signal_name = signal.Signals(signum).name
+        self.uninstall()
 
-    def __bool__(self) -> bool:
-        return self.signal_name is not None
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def agreed(self) -> bool:
+        """Whether any process was asked to stop, so that all stop after the same step (with
+        several processes, a small all-gather: call it at the same point on every process)."""
+        local = self.signal_name is not None
+        if jax.process_count() == 1:
+            return local
+        return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
 
 
-def evaluate_bpb(config, layout, mesh, eval_step, params, token_bytes, tokenizer) -> float:
-    """Val BPB over `train.eval_tokens` (at least one batch) from a fresh val iterator."""
-    seq_len = config.model.seq_len
-    steps = max(1, config.train.eval_tokens // (layout.micro_rows * seq_len))
-    val = make_batch_iterator(
-        config.data,
-        split="val",
-        seq_len=seq_len,
-        batch_size=layout.eval_rows_per_process,
-        seed=config.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        tokenizer=tokenizer,
-    )
-    nats = nbytes = 0.0
-    for _ in range(steps):
-        batch = sharding.global_batch(next(val), mesh)
-        step_nats, step_bytes = eval_step(params, batch, token_bytes)
-        nats, nbytes = nats + float(step_nats), nbytes + float(step_bytes)
-    return bits_per_byte(nats, nbytes)
+def resolve_data_streams(config: Any, layout: BatchLayout) -> int:
+    """train.data_streams, 0 meaning one per process; checked against processes and rows."""
+    processes = jax.process_count()
+    count = config.train.data_streams or processes
+    if count < 1 or count % processes:
+        raise ValueError(
+            f"train.data_streams={count}; expected a positive multiple of the {processes} processes"
+        )
+    if layout.micro_rows % count:
+        raise ValueError(
+            f"train.data_streams={count} does not divide the {layout.micro_rows} rows of a "
+            "micro-batch (train.device_batch_size x batch devices)"
+        )
+    return count
+
+
+class DataStreams:
+    """This process's share of the run's `count` data streams of one split.
+
+    Stream j is the pipeline's stream (process_index=j, process_count=count), so the data order
+    depends on the number of streams only: 1 process x 2 devices reads exactly the batches of
+    2 processes x 1 device, and a run resumes on another process count with the same streams.
+    Process p reads streams [p k, (p + 1) k), k = count / processes; every micro-batch takes
+    the same number of rows from each stream, in stream order.
+    """
+
+    def __init__(
+        self, config: Any, split: str, count: int, rows_per_process: int, tokenizer: Tokenizer
+    ):
+        per_process = count // jax.process_count()
+        first = jax.process_index() * per_process
+        self.count = count
+        self.iterators = {
+            j: make_batch_iterator(
+                config.data,
+                split=split,
+                seq_len=config.model.seq_len,
+                batch_size=rows_per_process // per_process,
+                seed=config.seed,
+                process_index=j,
+                process_count=count,
+                tokenizer=tokenizer,
+            )
+            for j in range(first, first + per_process)
+        }
+
+    def next_local(self, accum: int) -> dict[str, np.ndarray]:
+        """This process's rows of the next step: {name: (accum, rows / accum, T)}."""
+        parts = [next(iterator) for iterator in self.iterators.values()]
+        return {
+            name: np.concatenate(
+                [p[name].reshape(accum, -1, p[name].shape[-1]) for p in parts], axis=1
+            )
+            for name in parts[0]
+        }
+
+    def close(self) -> None:
+        for iterator in self.iterators.values():
+            iterator.close()
 
 
 class Profiler:
@@ -94,7 +182,7 @@ class Profiler:
         self.dir, self.start, self.stop = workdir, start, start + count
         self.dump_hlo = dump_hlo and jax.process_index() == 0
 
-    def before_step(self, step: int, train_step, state, batch) -> None:
+    def before_step(self, step: int, train_step: Any, state: TrainState, batch: dict) -> None:
         if self.dump_hlo:
             hlo = train_step.lower(state, batch).compile().as_text()
             (self.dir / "train_step.hlo.txt").write_text(hlo)
@@ -108,15 +196,245 @@ class Profiler:
             jax.profiler.stop_trace()
 
 
-def log_sample(graphdef, params, tokenizer, max_new_tokens: int) -> None:
+def log_sample(graphdef: Any, params: dict, tokenizer: Tokenizer, max_new_tokens: int) -> None:
     """Greedy continuation of a fixed prompt, so runs can be compared by eye."""
     from flax import nnx
 
-    from bov_jax.model.decode import sample_text
+    from bov_jax.sample import sample_text
 
     model = nnx.merge(graphdef, params)
     text = sample_text(model, tokenizer, "The meaning of life is", max_new_tokens=max_new_tokens)
     log.info("sample: %r", text)
+
+
+class Trainer:
+    """Steps, evaluation, metrics and checkpoints of one invocation."""
+
+    def __init__(
+        self,
+        config: Any,
+        workdir: Path,
+        plan: TrainingPlan,
+        mesh: jax.sharding.Mesh,
+        layout: BatchLayout,
+        tokenizer: Tokenizer,
+        config_dict: dict,
+        stop: StopRequest,
+    ):
+        self.config, self.workdir, self.plan, self.mesh = config, workdir, plan, mesh
+        self.layout, self.tokenizer, self.config_dict = layout, tokenizer, config_dict
+        self.stop = stop
+        self.streams = config_dict["train"]["data_streams"]
+        self.graphdef, self.fresh_state, shardings, tx = create_train_state(config, plan, mesh)
+        self.train_step = make_train_step(self.graphdef, tx, shardings, mesh)
+        self.eval_step = make_eval_step(self.graphdef, shardings, mesh)
+        self.token_bytes = jax.device_put(
+            jnp.asarray(tokenizer.token_bytes()), sharding.replicated(mesh)
+        )
+        self.train_data = DataStreams(
+            config, "train", self.streams, layout.rows_per_process, tokenizer
+        )
+        ck = config.checkpoint
+        self.checkpoints = Checkpoints(workdir, ck.keep, ck.async_save)
+        t = config.train
+        self.profiler = Profiler(workdir, t.profile_start_step, t.profile_num_steps, t.dump_hlo)
+        self.throughput = Throughput(plan.total_batch_tokens, plan.flops_per_token)
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.train_data.close()
+
+    def restore_or_initialize(self) -> TrainState:
+        """The latest checkpoint of this workdir, else `init_params_from`, else the init."""
+        ck = self.config.checkpoint
+        state, self.fresh_state = self.fresh_state, None
+        if self.checkpoints.latest_step() is not None:
+            target = abstract_like(state)
+            del state  # free the initial state before the restored one is allocated
+            return self.checkpoints.restore_latest(
+                target, self.train_data, self.config_dict, ck.fallback
+            )
+        if ck.init_params_from:
+            return state._replace(params=load_parameters(ck.init_params_from, state.params))
+        return state
+
+    def evaluate(self, params: dict) -> float:
+        """Val BPB over `train.eval_tokens` (at least one batch) from fresh val iterators."""
+        micro_tokens = self.layout.micro_rows * self.config.model.seq_len
+        steps = max(1, self.config.train.eval_tokens // micro_tokens)
+        val = DataStreams(
+            self.config, "val", self.streams, self.layout.eval_rows_per_process, self.tokenizer
+        )
+        nats = nbytes = 0.0
+        try:
+            for _ in range(steps):
+                local = {k: v[0] for k, v in val.next_local(1).items()}
+                batch = sharding.global_batch(local, self.mesh)
+                step_nats, step_bytes = self.eval_step(params, batch, self.token_bytes)
+                nats, nbytes = nats + float(step_nats), nbytes + float(step_bytes)
+        finally:
+            val.close()
+        return bits_per_byte(nats, nbytes)
+
+    def advance(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
+        """One optimizer step; a non-finite one stops the run or, if allowed, is redrawn."""
+        for attempt in range(MAX_SKIPPED_IN_A_ROW):
+            local = self.train_data.next_local(self.layout.accum)
+            batch = sharding.global_batch(local, self.mesh, leading=1)
+            if attempt == 0:
+                self.profiler.before_step(step, self.train_step, state, batch)
+            state, out = self.train_step(state, batch)
+            if bool(out["finite"]):
+                self.profiler.after_step(step, out)
+                return state, out
+            problem = f"non-finite loss or gradient at step {step} (loss {float(out['loss'])})"
+            if not self.config.train.skip_nonfinite:
+                latest = self.checkpoints.latest_step()
+                kept = (
+                    "no checkpoint yet"
+                    if latest is None
+                    else f"the latest checkpoint (step {latest}) is the last good state"
+                )
+                raise NonFiniteLossError(
+                    f"{problem}: stopped without saving; {kept}. "
+                    "--config.train.skip_nonfinite=True would skip such batches."
+                )
+            log.warning("%s: batch skipped (train.skip_nonfinite)", problem)
+        raise NonFiniteLossError(
+            f"{MAX_SKIPPED_IN_A_ROW} batches in a row were non-finite at step {step}"
+        )
+
+    def step_record(self, step: int, out: dict, dt: float) -> dict[str, Any]:
+        o = self.config.optim
+        lrm = float(
+            schedules.lr_multiplier(
+                step, self.plan.num_steps, o.warmup_steps, o.warmdown_ratio, o.final_lr_frac
+            )
+        )
+        tok_s = self.throughput.tokens_per_sec(dt)
+        record = {
+            "loss": float(out["loss"]),
+            "lr": o.matrix_lr * self.plan.batch_lr_scale * lrm,
+            "lrm": lrm,
+            "tokens_per_sec": tok_s,
+            "grad_norm": float(out["grad_norm"]),
+        }
+        mfu = self.throughput.mfu(tok_s)
+        if mfu is not None:
+            record["mfu"] = mfu
+        return record
+
+    def log_step(self, step: int, record: dict, dt: float) -> None:
+        num_steps = self.plan.num_steps
+        eta = self.throughput.eta_seconds(num_steps - step - 1, dt)
+        line = log_line(
+            step,
+            num_steps,
+            record["loss"],
+            record["lr"],
+            dt,
+            record["tokens_per_sec"],
+            record.get("mfu"),
+            eta,
+        )
+        log.info(line)
+
+    def save(self, step: int, state: TrainState) -> None:
+        self.checkpoints.save(step, state, self.train_data, self.config_dict)
+
+    def stop_reason(self, step: int, stop_at: int) -> str | None:
+        """Why this invocation ends before `step`, or None; the same on every process."""
+        if step >= self.plan.num_steps:
+            return None
+        if step >= stop_at:
+            return "train.stop_after_steps"
+        if self.stop.agreed():
+            return self.stop.signal_name or "a signal to another process"
+        return None
+
+    def record_start(self, step: int, params: dict, final: dict) -> dict[str, Any]:
+        """The step's record before its update: the val BPB where due (and the unigram line)."""
+        t = self.config.train
+        record: dict[str, Any] = {"step": step}
+        if step == 0 and "unigram_bpb" in final:
+            record["unigram_bpb"] = final["unigram_bpb"]
+        if step % t.eval_every == 0 or step >= self.plan.num_steps:
+            record["val_bpb"] = final["val_bpb"] = self.evaluate(params)
+            log.info("Step %05d | Validation bpb: %.6f", step, record["val_bpb"])
+            self.throughput.restart()
+        return record
+
+    def after_step(self, step: int, start: int, state: TrainState, record: dict, dt: float) -> None:
+        """Log line, periodic checkpoint and sample once step `step` is done."""
+        t, done = self.config.train, step + 1
+        if done % t.log_every == 0 or step == start:
+            self.log_step(step, record, dt)
+        save_every = self.config.checkpoint.save_every
+        if save_every > 0 and done % save_every == 0:
+            self.save(done, state)
+        if done % t.sample_every == 0 and done < self.plan.num_steps:
+            log_sample(self.graphdef, state.params, self.tokenizer, t.sample_tokens)
+            self.throughput.restart()
+
+    def train(self, state: TrainState, metrics: MetricsWriter) -> dict[str, Any]:
+        """Steps from the state's step to the horizon, this invocation's stop or a signal;
+        then a checkpoint of the step reached (unless it exists)."""
+        t, num_steps = self.config.train, self.plan.num_steps
+        start = int(state.step)
+        stop_at = start + t.stop_after_steps if t.stop_after_steps > 0 else num_steps
+        final: dict[str, Any] = {}
+        if start == 0 and jax.process_index() == 0:
+            final["unigram_bpb"] = unigram_bpb(self.config.data, self.tokenizer)
+            log.info("unigram reference line: val BPB %.4f", final["unigram_bpb"])
+        for step in itertools.count(start):
+            final["step"] = step
+            if reason := self.stop_reason(step, stop_at):
+                log.info("stopping at step %d (%s)", step, reason)
+                break
+            record = self.record_start(step, state.params, final)
+            if step >= num_steps:
+                metrics.write(record)
+                break
+            state, out = self.advance(state, step)
+            dt = self.throughput.tick()
+            record.update(self.step_record(step, out, dt))
+            metrics.write(record)
+            self.after_step(step, start, state, record, dt)
+        if self.checkpoints.latest_step() != final["step"]:
+            self.save(final["step"], state)
+        self.checkpoints.wait()
+        final["finished"] = final["step"] >= num_steps
+        if jax.process_index() == 0:  # for job scripts: requeue until finished
+            status = {"step": final["step"], "num_steps": num_steps}
+            write_json_atomic(self.workdir / "status.json", status)
+        return final
+
+
+def train_in(workdir: Path, trainer: Trainer) -> dict[str, Any]:
+    """Restore or initialise, then train; the workdir's records follow the restored step."""
+    try:
+        state = trainer.restore_or_initialize()
+        if jax.process_index() == 0:  # only now: a mismatching checkpoint keeps its config
+            write_json_atomic(workdir / "config.json", trainer.config_dict)
+            truncate_metrics(workdir / "metrics.jsonl", int(state.step))
+        metrics = MetricsWriter(workdir, int(state.step))
+        try:
+            return trainer.train(state, metrics)
+        finally:
+            metrics.close()
+    finally:
+        trainer.close()
+
+
+def prepare_token_cache(data_cfg: Any, tokenizer: Tokenizer) -> None:
+    """Process 0 builds the pre-tokenized cache (if used and missing); the others wait for it
+    instead of racing to build the same files."""
+    if not data_cfg.use_cache:
+        return
+    if jax.process_index() == 0:
+        ensure_cache(data_cfg, tokenizer)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("bov_jax token cache ready")
 
 
 def run(config: Any, workdir: str | Path) -> dict[str, Any]:
@@ -124,141 +442,33 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     workdir = Path(workdir)
     validate_config(config)
     plan = training_plan(config)
-    spec = ModelSpec.from_config(config.model)
     mesh = sharding.make_mesh(config.mesh)
     layout = BatchLayout.resolve(config, plan, mesh)
+    streams = resolve_data_streams(config, layout)
     validate_data_config(config.data, config.model.vocab_size, config.model.seq_len)
     tokenizer = load_tokenizer(
         tokenizer_path(config.data), config.model.vocab_size, config.data.encode_threads
     )
+    prepare_token_cache(config.data, tokenizer)
     is_main = jax.process_index() == 0
     workdir.mkdir(parents=True, exist_ok=True)
     config_dict = json.loads(config.to_json_best_effort())
-    if is_main:
-        write_json_atomic(workdir / "config.json", config_dict)
+    config_dict["train"]["data_streams"] = streams
     log.info("plan: %s", json.dumps(plan.summary()))
     log.info(
-        "mesh %s; %d micro-batches of %d rows per step",
+        "mesh %s; %d micro-batches of %d rows per step; %d data streams",
         dict(mesh.shape),
         layout.accum,
         layout.micro_rows,
+        streams,
     )
-
-    graphdef, state, shardings, tx = create_train_state(config, plan, mesh)
-    train_iter = make_batch_iterator(
-        config.data,
-        split="train",
-        seq_len=spec.seq_len,
-        batch_size=layout.rows_per_process,
-        seed=config.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        tokenizer=tokenizer,
-    )
-    checkpoints = Checkpoints(workdir, config.checkpoint.keep, config.checkpoint.async_save)
-    state = checkpoints.restore_latest(state, train_iter, config_dict)
-    train_step = make_train_step(graphdef, tx, shardings, mesh)
-    eval_step = make_eval_step(graphdef, shardings, mesh)
-    token_bytes = jax.device_put(jnp.asarray(tokenizer.token_bytes()), sharding.replicated(mesh))
-    unigram = unigram_bpb(config.data, tokenizer)
-    log.info("unigram reference line: val BPB %.4f", unigram)
-
-    metrics = MetricsWriter(workdir)
-    profiler = Profiler(workdir, t.profile_start_step, t.profile_num_steps, t.dump_hlo)
     stop = StopRequest()
-    step = int(state.step)
-    start_step = step
-    t = config.train
-    stop_at = (
-        min(plan.num_steps, step + t.stop_after_steps) if t.stop_after_steps > 0 else plan.num_steps
-    )
-    throughput = Throughput(plan.total_batch_tokens, plan.flops_per_token)
-    muon_lr = config.optim.matrix_lr * plan.batch_lr_scale
-    final: dict[str, Any] = {"unigram_bpb": unigram}
     try:
-        while True:
-            record: dict[str, Any] = {"step": step}
-            finished = step >= plan.num_steps
-            if not finished and (step == stop_at or stop):
-                break
-            if step % t.eval_every == 0 or finished:
-                record["val_bpb"] = evaluate_bpb(
-                    config, layout, mesh, eval_step, state.params, token_bytes, tokenizer
-                )
-                log.info("Step %05d | Validation bpb: %.6f", step, record["val_bpb"])
-                final["val_bpb"] = record["val_bpb"]
-                throughput.restart()
-            if finished:
-                metrics.write(record)
-                break
-            local = next(train_iter)
-            batch = sharding.global_batch(
-                {k: v.reshape(layout.accum, -1, v.shape[-1]) for k, v in local.items()},
-                mesh,
-                leading=1,
-            )
-            profiler.before_step(step, train_step, state, batch)
-            state, out = train_step(state, batch)
-            profiler.after_step(step, out)
-            loss = float(out["loss"])
-            if not bool(out["finite"]):
-                if not t.skip_nonfinite:
-                    raise NonFiniteLossError(
-                        f"non-finite loss or gradient at step {step} (loss={loss}); the state "
-                        f"was not updated and the last good checkpoint is kept"
-                    )
-                log.warning("step %d: non-finite loss or gradient; batch skipped", step)
-                continue
-            dt = throughput.tick()
-            tok_s = throughput.tokens_per_sec(dt)
-            lrm = float(
-                schedules.lr_multiplier(
-                    step,
-                    plan.num_steps,
-                    config.optim.warmup_steps,
-                    config.optim.warmdown_ratio,
-                    config.optim.final_lr_frac,
-                )
-            )
-            record.update(
-                loss=loss,
-                lr=muon_lr * lrm,
-                lrm=lrm,
-                tokens_per_sec=tok_s,
-                grad_norm=float(out["grad_norm"]),
-            )
-            mfu = throughput.mfu(tok_s)
-            if mfu is not None:
-                record["mfu"] = mfu
-            metrics.write(record)
-            step += 1
-            if step % t.log_every == 0 or step == start_step + 1:
-                log.info(
-                    log_line(
-                        step - 1,
-                        plan.num_steps,
-                        loss,
-                        muon_lr * lrm,
-                        dt,
-                        tok_s,
-                        mfu,
-                        throughput.eta_seconds(plan.num_steps - step, dt),
-                    )
-                )
-            if config.checkpoint.save_every > 0 and step % config.checkpoint.save_every == 0:
-                checkpoints.save(step, state, train_iter, config_dict)
-            if step % t.sample_every == 0 and step < plan.num_steps:
-                log_sample(graphdef, state.params, tokenizer, config.train.sample_tokens)
-                throughput.restart()
-        if stop:
-            log.info("%s received: checkpointing at step %d", stop.signal_name, step)
-        if checkpoints.latest_step() != step:
-            checkpoints.save(step, state, train_iter, config_dict)
-        checkpoints.wait()
+        final = train_in(
+            workdir, Trainer(config, workdir, plan, mesh, layout, tokenizer, config_dict, stop)
+        )
     finally:
-        checkpoints.close()
-        metrics.close()
-    final["step"] = step
-    if math.isfinite(final.get("val_bpb", math.nan)) and is_main:
-        log.info("final step %d, val BPB %.6f (unigram line %.4f)", step, final["val_bpb"], unigram)
+        stop.uninstall()
+    if is_main and final["finished"] and math.isfinite(final.get("val_bpb", math.nan)):
+        log.info("final step %d, val BPB %.6f", final["step"], final["val_bpb"])
     return final

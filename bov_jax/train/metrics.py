@@ -35,16 +35,17 @@ def peak_flops_per_device() -> float | None:
 
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors scalars to
-    TensorBoard; a no-op on processes other than 0."""
+    TensorBoard from `start_step` on; a no-op on processes other than 0."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, start_step: int = 0):
         self.active = jax.process_index() == 0
         if not self.active:
             return
         from tensorboardX import SummaryWriter
 
         self.jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)
-        self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
+        # purge_step drops events a crashed run wrote past the step this run resumes from
+        self.tensorboard = SummaryWriter(str(workdir / "tensorboard"), purge_step=start_step)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:

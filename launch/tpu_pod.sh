@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Train on a Cloud TPU pod slice (TPU VMs) with gcloud: create the slice, copy this checkout to
+# every worker, install, run bov_jax.main on all workers at once, follow, stop, delete.
+#
+#   launch/tpu_pod.sh COMMAND [bov_jax.main flags...]
+#
+#   create    create the slice (SPOT=1: a spot slice)
+#   sync      copy this checkout (tracked and untracked, not ignored files) to every worker
+#   install   pip-install requirements.txt and JAX for TPU on every worker; mount NFS_SHARE
+#   run       start training on every worker in the background (resumes if WORKDIR has
+#             checkpoints); extra flags go to bov_jax.main, e.g. --config.train.num_steps=100
+#   logs      follow worker 0's log
+#   status    is the process alive on each worker; last log line; WORKDIR/status.json
+#   stop      SIGTERM on every worker: the run checkpoints and exits 0 (`run` resumes it)
+#   delete    delete the slice
+#   all       sync, install and run
+#
+# Settings (environment variables):
+#   TPU_NAME          slice name (required)
+#   ZONE              e.g. us-central2-b (required)
+#   PROJECT           gcloud project (default: gcloud's current one)
+#   ACCELERATOR_TYPE  create: slice type (default v5p-32)
+#   RUNTIME_VERSION   create: TPU VM image (default v2-alpha-tpuv5)
+#   SPOT              create: 1 for a spot slice (default 0)
+#   REMOTE_DIR        checkout directory on the workers, relative to $HOME (default bov_jax)
+#   WORKDIR           run directory; must be the same shared storage on every worker, e.g. an
+#                     NFS (Filestore) mount (required by run and status)
+#   CONFIG            experiment config (default configs/d24_bov.py)
+#   JAX_SPEC          pip requirement for JAX on TPU (default "jax[tpu]>=0.10.0,<0.12")
+#   NFS_SHARE         install: server:/export to mount at SHARED_MOUNT on every worker
+#   SHARED_MOUNT      install: mount point (default /mnt/shared)
+#
+# jax.distributed finds the other workers by itself on TPU VMs; every worker runs the same
+# command, reads its own data streams and writes its shards of each checkpoint; worker 0 alone
+# writes the logs' INFO lines, metrics.jsonl and config.json. See docs/launch.md.
+set -euo pipefail
+
+# The comment block above, as help text.
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+command=${1:-}
+[[ -n $command ]] || { usage >&2; exit 2; }
+shift
+
+: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
+ACCELERATOR_TYPE=${ACCELERATOR_TYPE:-v5p-32}
+RUNTIME_VERSION=${RUNTIME_VERSION:-v2-alpha-tpuv5}
+SPOT=${SPOT:-0}
+REMOTE_DIR=${REMOTE_DIR:-bov_jax}
+CONFIG=${CONFIG:-configs/d24_bov.py}
+JAX_SPEC=${JAX_SPEC:-jax[tpu]>=0.10.0,<0.12}
+SHARED_MOUNT=${SHARED_MOUNT:-/mnt/shared}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+
+gcloud_tpu() {
+  gcloud compute tpus tpu-vm "$@" --zone="$ZONE" ${PROJECT:+--project="$PROJECT"}
+}
+
+# Run a shell command on every worker at once (and wait for all of them).
+on_all_workers() {
+  gcloud_tpu ssh "$TPU_NAME" --worker=all --command="$1"
+}
+
+require_workdir() { : "${WORKDIR:?set WORKDIR to a directory shared by all workers}"; }
+
+create() {
+  local spot=""
+  ((SPOT)) && spot=--spot
+  gcloud_tpu create "$TPU_NAME" --accelerator-type="$ACCELERATOR_TYPE" \
+    --version="$RUNTIME_VERSION" ${spot:+"$spot"}
+}
+
+sync_code() {
+  local tmp
+  tmp=$(mktemp -d)
+  (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
+    tar --null --ignore-failed-read -czf "$tmp/code.tgz" -T -)
+  gcloud_tpu scp "$tmp/code.tgz" "$TPU_NAME:bov_jax_code.tgz" --worker=all
+  rm -rf "$tmp"
+  on_all_workers "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/bov_jax_code.tgz -C ~/$REMOTE_DIR"
+}
+
+install() {
+  local mount=""
+  if [[ -n ${NFS_SHARE:-} ]]; then
+    mount="sudo apt-get -qq update && sudo apt-get -qq install -y nfs-common &&
+      sudo mkdir -p $SHARED_MOUNT && (mountpoint -q $SHARED_MOUNT ||
+      sudo mount -t nfs -o hard,timeo=600 $NFS_SHARE $SHARED_MOUNT) &&
+      sudo chmod a+rwx $SHARED_MOUNT &&"
+  fi
+  on_all_workers "$mount cd ~/$REMOTE_DIR && python3 -m pip install -q -U pip &&
+    python3 -m pip install -q -r requirements.txt '$JAX_SPEC'"
+}
+
+run() {
+  require_workdir
+  local flags
+  flags=$(printf '%q ' --config="$CONFIG" --workdir="$WORKDIR" "$@")
+  # nohup + background: the run outlives the ssh session; the pid file lets `stop` signal it.
+  on_all_workers "cd ~/$REMOTE_DIR && mkdir -p logs &&
+    nohup python3 -u -m bov_jax.main $flags > logs/main.log 2>&1 < /dev/null &
+    echo \$! > ~/$REMOTE_DIR/logs/main.pid"
+  echo "started on every worker; follow with: $0 logs" >&2
+}
+
+logs() {
+  gcloud_tpu ssh "$TPU_NAME" --worker=0 --command="tail -n 50 -F ~/$REMOTE_DIR/logs/main.log"
+}
+
+status() {
+  require_workdir
+  on_all_workers "cd ~/$REMOTE_DIR && if kill -0 \$(cat logs/main.pid 2>/dev/null) 2>/dev/null;
+    then echo \"\$(hostname): running\"; else echo \"\$(hostname): not running\"; fi;
+    tail -n 1 logs/main.log 2>/dev/null || true"
+  gcloud_tpu ssh "$TPU_NAME" --worker=0 --command="cat $WORKDIR/status.json 2>/dev/null || true"
+}
+
+stop() {
+  on_all_workers "kill -TERM \$(cat ~/$REMOTE_DIR/logs/main.pid) 2>/dev/null || true"
+}
+
+case $command in
+  create) create ;;
+  sync) sync_code ;;
+  install) install ;;
+  run) run "$@" ;;
+  logs) logs ;;
+  status) status ;;
+  stop) stop ;;
+  delete) gcloud_tpu delete "$TPU_NAME" --quiet ;;
+  all) sync_code && install && run "$@" ;;
+  *) usage >&2; exit 2 ;;
+esac

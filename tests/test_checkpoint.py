@@ -1,0 +1,232 @@
+"""Checkpoint contents and failure handling, in process (the 8 fake devices of conftest).
+
+What a checkpoint must restore exactly (optimizer counts and buffers, RNG, step, data
+position), onto the same or a smaller mesh; damaged checkpoints named by step and file, with
+a fallback; a config from another experiment refused with its keys listed, or its parameters
+taken explicitly for fine-tuning; a non-finite step stopping the run with the last good
+checkpoint intact, or skipped when asked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bov_jax import sharding
+from bov_jax.accounting import training_plan
+from bov_jax.data.config import tokenizer_path
+from bov_jax.data.tokenizer import load_tokenizer
+from bov_jax.train import loop
+from bov_jax.train.checkpoint import (
+    CheckpointError,
+    Checkpoints,
+    ConfigMismatchError,
+    verify_manifest,
+)
+from bov_jax.train.layout import BatchLayout
+from bov_jax.train.state import create_train_state
+from bov_jax.train.step import make_train_step
+from configs import quickstart
+
+STEPS = 4
+
+
+def tiny_config(**train):
+    """The quickstart at 2 layers of width 128, 4 rows of 128 tokens per step on a 2x2x2 mesh."""
+    config = quickstart.get_config()
+    config.model.update(depth=2, model_dim=128, head_dim=64, seq_len=128)
+    config.mesh.update(data=2, fsdp=2, tensor=2)
+    settings = dict(
+        num_steps=STEPS, total_batch_tokens=512, device_batch_size=1, eval_every=2, eval_tokens=512
+    )
+    config.train.update({**settings, **train})
+    config.checkpoint.update(save_every=2, keep=5)
+    return config
+
+
+def metrics(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_steps(workdir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    workdir = tmp_path_factory.mktemp("trained")
+    loop.run(tiny_config(), workdir)
+    assert checkpoint_steps(workdir) == [2, 4]
+    return workdir
+
+
+@pytest.fixture
+def copy_of(trained, tmp_path) -> Path:
+    workdir = tmp_path / "copy"
+    shutil.copytree(trained, workdir)
+    return workdir
+
+
+def largest_state_file(step_dir: Path) -> Path:
+    return max(
+        (p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+
+
+def train_two_steps(config, mesh):
+    """(state after 2 steps, its data streams, tokenizer) on `mesh`, through the real step."""
+    plan = training_plan(config)
+    layout = BatchLayout.resolve(config, plan, mesh)
+    tokenizer = load_tokenizer(tokenizer_path(config.data), config.model.vocab_size)
+    graphdef, state, shardings, tx = create_train_state(config, plan, mesh)
+    train_step = make_train_step(graphdef, tx, shardings, mesh)
+    data = loop.DataStreams(config, "train", 1, layout.rows_per_process, tokenizer)
+    for _ in range(2):
+        batch = sharding.global_batch(data.next_local(layout.accum), mesh, leading=1)
+        state, _ = train_step(state, batch)
+    return state, data, tokenizer
+
+
+def test_state_and_data_round_trip_exactly_onto_other_meshes(tmp_path):
+    """Saved on 1 device; restored onto 8 (2 x 2 x 2) and 2 (fsdp) with the targets' layout."""
+    config = tiny_config(device_batch_size=4)
+    config.mesh.update(data=1, fsdp=1, tensor=1)
+    state, data, tokenizer = train_two_steps(
+        config, sharding.make_mesh(config.mesh, jax.devices()[:1])
+    )
+    checkpoints = Checkpoints(tmp_path, keep=2)
+    checkpoints.save(2, state, data, {"train": {}})
+    checkpoints.wait()
+    expected_next = data.next_local(1)
+    saved = jax.tree.map(np.asarray, state)
+    counts = [x for x in jax.tree.leaves(saved.opt_state) if x.dtype == np.int32]
+    assert counts and all(int(c) == 2 for c in counts)  # Muon's and every Adam's count
+    buffers = [x for x in jax.tree.leaves(saved.opt_state) if x.dtype == np.float32]
+    assert np.mean([np.any(x != 0) for x in buffers]) > 0.9  # momenta, second moments
+    for mesh_shape in ((2, 2, 2), (1, 2, 1)):
+        config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
+        devices = jax.devices()[: int(np.prod(mesh_shape))]
+        _, target, _, _ = create_train_state(
+            config, training_plan(config), sharding.make_mesh(config.mesh, devices)
+        )
+        fresh = loop.DataStreams(config, "train", 1, 4, tokenizer)
+        restored = checkpoints.restore(2, target, fresh)
+        assert jax.tree.structure(restored) == jax.tree.structure(state)
+        for got, want, like in zip(
+            jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(target)
+        ):
+            np.testing.assert_array_equal(np.asarray(got), want)
+            assert got.sharding == like.sharding and got.sharding.device_set == set(devices)
+        upcoming = fresh.next_local(1)
+        assert all(np.array_equal(upcoming[k], expected_next[k]) for k in expected_next)
+    checkpoints.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte", "delete"])
+def test_damaged_file_is_named_with_its_step(copy_of, damage):
+    step_dir = copy_of / "checkpoints" / "4"
+    victim = largest_state_file(step_dir)
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-10])
+    elif damage == "flip a byte":
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        victim.write_bytes(bytes(raw))
+    else:
+        victim.unlink()
+    with pytest.raises(CheckpointError, match=f"step 4: {re.escape(str(victim))}") as err:
+        verify_manifest(step_dir, 4)
+    assert err.value.step == 4 and err.value.path == victim
+
+
+def test_damaged_checkpoint_stops_main_or_falls_back_when_asked(trained, copy_of):
+    victim = largest_state_file(copy_of / "checkpoints" / "4")
+    victim.write_bytes(victim.read_bytes()[:-10])
+    named = rf"step 4: {re.escape(str(victim))}: truncated.*fallback=True"
+    with pytest.raises(CheckpointError, match=named):
+        loop.run(tiny_config(), copy_of)
+    config = tiny_config()
+    config.checkpoint.fallback = True
+    final = loop.run(config, copy_of)
+    assert final["step"] == STEPS
+    assert list((copy_of / "checkpoints").glob("4.corrupt-*"))
+    assert [(r["step"], r.get("loss")) for r in metrics(copy_of)] == [
+        (r["step"], r.get("loss")) for r in metrics(trained)
+    ]
+
+
+def test_other_experiment_is_refused_listing_the_keys(copy_of):
+    config_json = (copy_of / "config.json").read_text()
+    config = tiny_config(eval_every=3)  # harmless: not listed
+    config.seed = 7
+    config.optim.matrix_lr = 0.03
+    with pytest.raises(ConfigMismatchError) as err:
+        loop.run(config, copy_of)
+    message = str(err.value)
+    assert "seed: 42 -> 7" in message and "optim.matrix_lr: 0.02 -> 0.03" in message
+    assert "eval_every" not in message and "init_params_from" in message
+    assert (copy_of / "config.json").read_text() == config_json
+
+
+def test_init_params_from_takes_the_parameters_only(trained, tmp_path):
+    config = tiny_config(num_steps=2)
+    config.optim.matrix_lr = 0.03
+    config.checkpoint.init_params_from = str(trained)
+    final = loop.run(config, tmp_path)
+    first = metrics(tmp_path)[0]
+    assert first["step"] == 0 and final["step"] == 2
+    assert first["val_bpb"] == metrics(trained)[-1]["val_bpb"]  # the step-4 parameters
+    config = tiny_config()
+    config.model.depth = 3
+    config.checkpoint.init_params_from = str(trained / "checkpoints" / "2")
+    with pytest.raises(ValueError, match=r"parameters differ(.|\n)*blocks/2/attn(.|\n)*<absent>"):
+        loop.run(config, tmp_path / "deeper")
+
+
+def poison_call(bad_calls: set[int]):
+    """A make_train_step whose calls with the given indices see a NaN parameter."""
+    make_train_step = loop.make_train_step
+
+    def make(*args):
+        train_step = make_train_step(*args)
+        calls = itertools.count()
+
+        def step(state, batch):
+            if next(calls) not in bad_calls:
+                return train_step(state, batch)
+            good = state.params["smear_lambda"]  # not passed to the step, so not donated
+            nan = {**state.params, "smear_lambda": good * jnp.nan}
+            state, out = train_step(state._replace(params=nan), batch)
+            return state._replace(params={**state.params, "smear_lambda": good}), out
+
+        return step
+
+    return make
+
+
+def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(loop, "make_train_step", poison_call({3}))
+    with pytest.raises(loop.NonFiniteLossError, match="at step 3 .*latest checkpoint \\(step 2"):
+        loop.run(tiny_config(), tmp_path)
+    assert checkpoint_steps(tmp_path) == [2]
+    verify_manifest(tmp_path / "checkpoints" / "2", 2)
+    assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
+    # Resumed with skipping allowed (a harmless key), the bad batch of step 2 is redrawn.
+    monkeypatch.setattr(loop, "make_train_step", poison_call({0}))
+    with caplog.at_level(logging.WARNING, logger="bov_jax"):
+        final = loop.run(tiny_config(skip_nonfinite=True), tmp_path)
+    assert "non-finite loss or gradient at step 2" in caplog.text and "skipped" in caplog.text
+    assert final["step"] == STEPS
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(STEPS + 1))
+    assert all(np.isfinite(r["loss"]) for r in records[:STEPS])
