@@ -15,6 +15,7 @@ import dataclasses
 import ml_collections
 
 from bov_jax.config import default_config
+from bov_jax.model.values import ValuePathSpec
 
 # The paper's compute budgets: d12 runs at 1.5e18 FLOPs (Table 1); the d24 configs
 # default to the 100B-token horizon, and the paper's d24 runs use 3.91e19 FLOPs.
@@ -27,24 +28,15 @@ class Preset:
     depth: int
     paper: str
     reference: str  # the authors' --model-type (arch_d{depth}_<reference>)
-    source: str = "residual"
-    combine: str = "replace"
-    scale: str = "none"
-    layers: str = "last_third"
-    bank_shared: bool = False
-    bank_init: str = "aligned"
-
-    def value_path(self) -> dict:
-        keys = ("source", "combine", "scale", "layers", "bank_shared", "bank_init")
-        return {k: getattr(self, k) for k in keys}
+    value_path: ValuePathSpec
 
 
-def _d12(paper: str, reference: str, **vp) -> Preset:
-    return Preset(12, paper, reference, **vp)
+def _d12(paper: str, reference: str, **value_path) -> Preset:
+    return Preset(12, paper, reference, ValuePathSpec(**value_path))
 
 
-def _d24(paper: str, reference: str, **vp) -> Preset:
-    return Preset(24, paper, reference, **vp)
+def _d24(paper: str, reference: str, **value_path) -> Preset:
+    return Preset(24, paper, reference, ValuePathSpec(**value_path))
 
 
 BANK = dict(source="bank", combine="replace", scale="learned")
@@ -173,7 +165,7 @@ def config_for(name: str) -> ml_collections.ConfigDict:
     config = default_config()
     config.name = name
     config.model.depth = preset.depth
-    config.model.value_path.update(preset.value_path())
+    config.model.value_path.update(dataclasses.asdict(preset.value_path))
     if preset.depth == 24:
         config.train.target_tokens = D24_TARGET_TOKENS
         config.train.device_batch_size = 8

@@ -12,13 +12,10 @@ meta-packages. Resumable: rerun after an interruption and finished steps are reu
 `apt-get` and `npm` (run `apt-get update` first on a fresh machine); a few minutes on 2 cores.
 """
 
-import argparse
-import logging
 from functools import partial
-from pathlib import Path
 
 from bov_jax.data import registry
-from bov_jax.data.corpus_build import Source, build_corpus
+from bov_jax.data.corpus_build import Source, corpus_main
 from bov_jax.data.sources import austen, dictd, files, fortunes, html_text, sotu, sword
 
 _DOC = "usr/share/doc/*"
@@ -165,19 +162,11 @@ SOURCES = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/bov_jax/debmix")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    build_corpus(
+    corpus_main(
+        __doc__,
         SOURCES,
-        args.out,
-        args.work_dir,
-        corpus_name="debmix",
-        command="python -m bov_jax.data.build_debmix",
+        "debmix",
+        None,
         seed=42,
         shard_bytes=25_000_000,
         val_fraction=0.11,

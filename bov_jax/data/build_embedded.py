@@ -9,14 +9,11 @@ chapter) and the World English Bible (Debian, one document per chapter). Needs `
 downloads and extracted documents for a rerun. The committed shards were built with the defaults.
 """
 
-import argparse
-import logging
 from functools import partial
-from pathlib import Path
 
 from bov_jax.data import registry
 from bov_jax.data.config import EMBEDDED_DIR
-from bov_jax.data.corpus_build import Source, build_corpus
+from bov_jax.data.corpus_build import Source, corpus_main
 from bov_jax.data.sources import austen, sotu, sword
 
 SOURCES = [
@@ -49,19 +46,11 @@ SOURCES = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, default=EMBEDDED_DIR)
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/bov_jax/embedded")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    build_corpus(
+    corpus_main(
+        __doc__,
         SOURCES,
-        args.out,
-        args.work_dir,
-        corpus_name="embedded",
-        command="python -m bov_jax.data.build_embedded",
+        "embedded",
+        EMBEDDED_DIR,
         seed=42,
         shard_bytes=3_500_000,
         val_fraction=0.1,

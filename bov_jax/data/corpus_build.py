@@ -4,6 +4,7 @@ Used by `build_embedded` and `build_debmix`. Each step is resumable: downloads, 
 and each source's extracted documents are kept in a work directory and reused on a rerun.
 """
 
+import argparse
 import json
 import logging
 import time
@@ -178,3 +179,25 @@ def build_corpus(
     )
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
+
+
+def corpus_main(
+    doc: str, sources: list[Source], corpus_name: str, default_out: Path | None, **build_kwargs
+) -> None:
+    """The command line of a corpus builder: --out, --work-dir, then `build_corpus`."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=default_out is None, default=default_out)
+    cache = Path.home() / ".cache" / "bov_jax" / corpus_name
+    parser.add_argument("--work-dir", type=Path, default=cache)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build_corpus(
+        sources,
+        args.out,
+        args.work_dir,
+        corpus_name=corpus_name,
+        command=f"python -m bov_jax.data.build_{corpus_name}",
+        **build_kwargs,
+    )
