@@ -16,6 +16,10 @@ bench() {  # name, timeout, configs, device batch, steps, attention
       --device_batch_size="$4" --steps="$5" --json_out="$OUT/train_$1.json" 2>&1 \
       | grep -v "^W[0-9]" | tee "$OUT/train_$1.log"
 }
+only=${1:-}  # "d12" or "d24" runs that pair alone
 attn=cudnn
-bench d12 150 configs/d12.py,configs/d12_bov.py 16 10 $attn || { attn=xla; bench d12 150 configs/d12.py,configs/d12_bov.py 16 10 $attn; }
-bench d24 230 configs/d24.py,configs/d24_bov.py 8 5 $attn
+if [ "$only" != d24 ]; then
+  bench d12 150 configs/d12.py,configs/d12_bov.py 16 10 $attn \
+      || { attn=xla; bench d12 150 configs/d12.py,configs/d12_bov.py 16 10 $attn; }
+fi
+[ "$only" != d12 ] && bench d24 230 configs/d24.py,configs/d24_bov.py 8 5 $attn

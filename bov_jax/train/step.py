@@ -54,15 +54,15 @@ def make_train_step(
         )
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        new = TrainState(
-            step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
-            opt_state=opt_state,
-            rng=state.rng,
-        )
-        # A non-finite step keeps the previous state (the step counter included).
-        state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+
+        def update(state: TrainState) -> TrainState:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            return TrainState(state.step + 1, params, opt_state, state.rng)
+
+        # A non-finite step keeps the previous state (the step counter included). A cond,
+        # not a select over the whole state, so a good step pays no extra pass over memory.
+        state = jax.lax.cond(finite, update, lambda state: state, state)
         return state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
     batch_sh = sharding.batch_sharding(mesh, leading=1)
