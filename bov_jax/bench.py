@@ -17,12 +17,14 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 from bov_jax import sharding
 from bov_jax.accounting import training_plan
+from bov_jax.model.spec import ModelSpec
 from bov_jax.train.metrics import peak_flops_per_device
 from bov_jax.train.state import create_train_state
 from bov_jax.train.step import make_train_step
@@ -69,6 +71,7 @@ def configure(config: Any) -> Any:
 
 def bench_train(path: str) -> dict[str, Any]:
     config = configure(load_config(path))
+    spec = ModelSpec.from_config(config.model)
     plan = training_plan(config)
     mesh = sharding.make_mesh(config.mesh)
     graphdef, state, shardings, tx = create_train_state(config, plan, mesh)
@@ -96,8 +99,8 @@ def bench_train(path: str) -> dict[str, Any]:
         "config": path,
         "depth": config.model.depth,
         "value_path": dict(config.model.value_path),
-        "compute_dtype": config.model.compute_dtype,
-        "attention": config.model.attention_impl,
+        "compute_dtype": jnp.dtype(spec.compute_dtype).name,
+        "attention": spec.attention_impl,
         "tokens_per_step": rows * seq,
         "compile_s": round(compile_s, 2),
         "step_ms": round(1000 * step_s, 2),

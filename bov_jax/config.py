@@ -61,8 +61,9 @@ def default_config() -> ml_collections.ConfigDict:
     m.smear_channels = 24
     m.logit_softcap = 15.0
     m.param_dtype = "float32"
-    m.compute_dtype = "float32"  # bfloat16 on accelerators
-    m.attention_impl = "xla"  # xla | cudnn
+    # "auto": bfloat16 on accelerators, float32 on CPU; cuDNN attention on GPUs, else XLA.
+    m.compute_dtype = "auto"
+    m.attention_impl = "auto"  # auto | xla | cudnn
     m.value_path = value_path_config()
 
     o = c.optim = ml_collections.ConfigDict()

@@ -138,3 +138,13 @@ def test_nonfinite_step_leaves_the_state_unchanged():
     np.testing.assert_array_equal(
         after.params["wte"]["embedding"], before.params["wte"]["embedding"]
     )
+
+
+def test_auto_dtype_and_attention_resolve_by_backend():
+    from bov_jax.model.spec import ModelSpec
+
+    config = train_config()
+    assert config.model.compute_dtype == "auto"
+    spec = ModelSpec.from_config(config.model)
+    assert jax.default_backend() == "cpu"
+    assert (spec.compute_dtype, spec.attention_impl) == (jnp.float32, "xla")

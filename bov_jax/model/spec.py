@@ -6,12 +6,25 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from bov_jax.model.values import ValuePathSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLS = ("xla", "cudnn")
+AUTO = "auto"
+
+
+def resolve_auto(key: str, value: str) -> str:
+    """'auto' picks by backend: bf16 compute and cuDNN attention on GPUs, bf16 and XLA
+    attention on TPUs, fp32 and XLA attention on CPUs."""
+    if value != AUTO:
+        return value
+    backend = jax.default_backend()
+    if key == "compute_dtype":
+        return "float32" if backend == "cpu" else "bfloat16"
+    return "cudnn" if backend == "gpu" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +73,18 @@ class ModelSpec:
                 f"model.model_dim={m.model_dim}; expected 0 (derive from depth) or a positive "
                 f"multiple of model.head_dim={m.head_dim}"
             )
-        for key in ("param_dtype", "compute_dtype"):
-            if m[key] not in DTYPES:
-                raise ValueError(f"model.{key}={m[key]!r}; expected one of {tuple(DTYPES)}")
-        if m.attention_impl not in ATTENTION_IMPLS:
+        if m.param_dtype not in DTYPES:
             raise ValueError(
-                f"model.attention_impl={m.attention_impl!r}; expected one of {ATTENTION_IMPLS}"
+                f"model.param_dtype={m.param_dtype!r}; expected one of {tuple(DTYPES)}"
+            )
+        if m.compute_dtype not in (*DTYPES, AUTO):
+            raise ValueError(
+                f"model.compute_dtype={m.compute_dtype!r}; expected one of {(*DTYPES, AUTO)}"
+            )
+        if m.attention_impl not in (*ATTENTION_IMPLS, AUTO):
+            raise ValueError(
+                f"model.attention_impl={m.attention_impl!r}; expected one of "
+                f"{(*ATTENTION_IMPLS, AUTO)}"
             )
         if not m.window_pattern or set(m.window_pattern.upper()) - {"S", "L"}:
             raise ValueError(
@@ -93,8 +112,8 @@ class ModelSpec:
             smear_channels=m.smear_channels,
             logit_softcap=float(m.logit_softcap),
             param_dtype=DTYPES[m.param_dtype],
-            compute_dtype=DTYPES[m.compute_dtype],
-            attention_impl=m.attention_impl,
+            compute_dtype=DTYPES[resolve_auto("compute_dtype", m.compute_dtype)],
+            attention_impl=resolve_auto("attention_impl", m.attention_impl),
             value_path=ValuePathSpec.from_config(m.value_path),
         )
 
