@@ -10,7 +10,6 @@ column) before it is renamed into place. Files already in place are verified, no
 """
 
 import argparse
-import hashlib
 import http.client
 import logging
 import os
@@ -23,6 +22,7 @@ from typing import Any, Protocol
 
 from bov_jax.data import shards
 from bov_jax.data.errors import DataError
+from bov_jax.data.registry import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,11 @@ def plan(num_shards: int) -> list[int]:
     return [*range(num_shards), MAX_SHARD]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify(path: Path, size: int | None = None, sha256: str | None = None) -> None:
     """Raises DataError naming `path` unless it has the given size/sha256 and is a text shard."""
     if size is not None and path.stat().st_size != size:
         raise DataError(f"{path}: {path.stat().st_size} bytes, expected {size}")
-    if sha256 is not None and _sha256(path) != sha256:
+    if sha256 is not None and file_sha256(path) != sha256:
         raise DataError(f"{path}: sha256 differs from the server's {sha256}")
     shards.check_shard(path)
 

@@ -48,12 +48,10 @@ def _run(args: list[str], cwd: Path | None = None) -> str:
     return done.stdout
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def resolve_debian_name(package: Package) -> str:
@@ -76,7 +74,7 @@ def _fetch_deb(name: str, download_dir: Path) -> Fetched:
         raise DataError(f"apt-get download {name} produced no {name}_*.deb in {download_dir}")
     path = existing[-1]
     version = _run(["dpkg-deb", "--field", str(path), "Version"]).strip()
-    return Fetched(path, name, version, _sha256(path))
+    return Fetched(path, name, version, file_sha256(path))
 
 
 def _fetch_npm(spec: str, download_dir: Path) -> Fetched:
@@ -89,7 +87,7 @@ def _fetch_npm(spec: str, download_dir: Path) -> Fetched:
     path = existing[-1]
     with tarfile.open(path, "r:gz") as tar:
         manifest = json.load(tar.extractfile("package/package.json"))
-    return Fetched(path, manifest["name"], manifest["version"], _sha256(path))
+    return Fetched(path, manifest["name"], manifest["version"], file_sha256(path))
 
 
 def fetch(package: Package, download_dir: Path) -> Fetched:

