@@ -30,6 +30,7 @@ from bov_jax.train.checkpoint import (
     CheckpointError,
     Checkpoints,
     ConfigMismatchError,
+    load_parameters,
     verify_manifest,
 )
 from bov_jax.train.layout import BatchLayout
@@ -191,6 +192,25 @@ def test_init_params_from_takes_the_parameters_only(trained, tmp_path):
     config.checkpoint.init_params_from = str(trained / "checkpoints" / "2")
     with pytest.raises(ValueError, match=r"parameters differ(.|\n)*blocks/2/attn(.|\n)*<absent>"):
         loop.run(config, tmp_path / "deeper")
+
+
+def test_eval_records_carry_the_learned_coefficients(trained):
+    """Every eval record holds gamma per BoV layer and smear_lambda, equal to the parameters
+    of that step (the final record's to the saved step-4 parameters)."""
+    from bov_jax.model.gpt import learned_coefficients
+
+    evals = [r for r in metrics(trained) if "val_bpb" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    assert all(set(r["coefficients"]) == {"gamma/1", "smear_lambda"} for r in evals)
+    assert evals[0]["coefficients"] == {"gamma/1": 1.0, "smear_lambda": 0.0}
+    config = tiny_config()
+    graphdef, state, _, _ = create_train_state(
+        config, training_plan(config), make_mesh(config.mesh)
+    )
+    params = load_parameters(trained / "checkpoints" / "4", state.params)
+    saved = learned_coefficients(params)
+    assert saved["gamma/1"] != 1.0 and saved["smear_lambda"] != 0.0  # they did train
+    assert evals[-1]["coefficients"] == saved
 
 
 def poison_call(bad_calls: set[int]):

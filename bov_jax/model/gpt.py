@@ -308,6 +308,27 @@ def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> d
     return {layer: new_bank(layer) for layer in spec.targets}
 
 
+def learned_coefficients(params: dict) -> dict[str, float]:
+    """The learned scalars of a model's pure-dict params, for logs and figures.
+
+    Returns {"<name>/<layer>": value} for every gamma / alpha / beta of the value path (e.g.
+    "gamma/8", "alpha/9", "beta/9"), in layer order, plus "smear_lambda". The scalars are
+    replicated, so any process can read them.
+    """
+
+    def read(x: jax.Array) -> float:
+        return float(jax.device_get(x.addressable_data(0)).reshape(-1)[0])
+
+    coefficients = {}
+    for layer in sorted(params["blocks"]):
+        value_path = params["blocks"][layer]["attn"]["value"]
+        for name in ("gamma", "alpha", "beta"):
+            if name in value_path:
+                coefficients[f"{name}/{layer}"] = read(value_path[name])
+    coefficients["smear_lambda"] = read(params["smear_lambda"])
+    return coefficients
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array, reduction: str = "mean") -> jax.Array:
     """Cross-entropy in nats with ignore index -1.
 

@@ -40,6 +40,7 @@ from bov_jax.data.token_cache import ensure_cache
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.data.unigram import unigram_bpb
 from bov_jax.evals.bpb import bits_per_byte
+from bov_jax.model.gpt import learned_coefficients
 from bov_jax.train import schedules
 from bov_jax.train.checkpoint import Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
@@ -360,6 +361,7 @@ class Trainer:
             record["unigram_bpb"] = final["unigram_bpb"]
         if step % t.eval_every == 0 or step >= self.plan.num_steps:
             record["val_bpb"] = final["val_bpb"] = self.evaluate(params)
+            record["coefficients"] = learned_coefficients(params)
             log.info("Step %05d | Validation bpb: %.6f", step, record["val_bpb"])
             self.throughput.restart()
         return record

@@ -33,6 +33,19 @@ def peak_flops_per_device() -> float | None:
     return None
 
 
+def scalars(record: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    """The numbers of a record as TensorBoard tags; nested dicts give 'outer/inner' tags
+    (e.g. coefficients/gamma/8). The step itself is not a scalar."""
+    found = []
+    for key, value in record.items():
+        tag = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found.extend(scalars(value, tag + "/"))
+        elif tag != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+            found.append((tag, value))
+    return found
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors scalars to
     TensorBoard from `start_step` on; a no-op on processes other than 0."""
@@ -51,9 +64,8 @@ class MetricsWriter:
         if not self.active:
             return
         self.jsonl.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if key != "step" and isinstance(value, int | float):
-                self.tensorboard.add_scalar(key, value, record["step"])
+        for key, value in scalars(record):
+            self.tensorboard.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         if self.active:

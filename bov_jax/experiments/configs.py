@@ -1,0 +1,87 @@
+"""Loading experiment configs the way `--config=path.py[:arg]` does, and applying overrides.
+
+The sweep needs the resolved config of every run before it launches anything (to validate it
+and to print its horizon), and the same overrides are then passed to `bov_jax.main` as
+`--config.<key>=<value>` flags, so both readings must agree: values are converted to the type of
+the key's default, as ml_collections' flag parser does.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from bov_jax.cli import UserError
+
+
+def load_python_file(path: str | Path, what: str) -> Any:
+    """Import a Python file as a module; a missing or broken file is a UserError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"_bov_jax_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # a user file: report which one failed and why
+        raise UserError(f"{what} {path} failed to load: {type(err).__name__}: {err}") from err
+    return module
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+    """'configs/quickstart.py:d12' -> get_config('d12'); 'configs/d24.py' -> get_config()."""
+    path, _, arg = spec.partition(":")
+    module = load_python_file(path, "config file")
+    if not hasattr(module, "get_config"):
+        raise UserError(f"config file {path} has no get_config()")
+    try:
+        return module.get_config(arg) if arg else module.get_config()
+    except (KeyError, TypeError) as err:
+        raise UserError(f"config {spec}: {err}") from err
+
+
+def parse_value(text: str, default: Any) -> Any:
+    """The flag text `text` as the type of `default` (bool, int, float, str, tuple)."""
+    if isinstance(default, bool):
+        if text.lower() in ("true", "1"):
+            return True
+        if text.lower() in ("false", "0"):
+            return False
+        raise ValueError(f"expected true or false, got {text!r}")
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    if isinstance(default, tuple):
+        return tuple(ast.literal_eval(text))
+    return text
+
+
+def apply_override(config: ml_collections.ConfigDict, override: str) -> tuple[str, Any]:
+    """Apply 'train.num_steps=20' to `config` in place; returns (key, parsed value)."""
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {override!r}: expected key=value, e.g. train.num_steps=20")
+    path = key.split(".")
+    node = config
+    for depth, part in enumerate(path):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            close = difflib.get_close_matches(part, known, n=1)
+            hint = f"; did you mean {'.'.join([*path[:depth], close[0]])}?" if close else ""
+            raise UserError(f"override {override!r}: unknown config key {key}{hint}")
+        if depth < len(path) - 1:
+            node = node[part]
+    leaf = path[-1]
+    try:
+        value = parse_value(text, node[leaf])
+    except (ValueError, SyntaxError) as err:
+        raise UserError(f"override {override!r}: {err}") from err
+    with node.unlocked():
+        node[leaf] = value
+    return key, value

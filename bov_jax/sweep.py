@@ -1,0 +1,67 @@
+"""python -m bov_jax.sweep --sweep=configs/sweeps/<name>.py --root=DIR [options]
+
+Expands a sweep file into runs x seeds (workdirs DIR/<run>/seed<k>/) and hands them to an
+engine: --launcher=local (one after another here; rerunning skips finished runs and resumes
+interrupted ones), slurm (writes DIR/slurm_array.sbatch) or tpu (writes DIR/tpu_commands.sh).
+--dry-run prints every run's horizon and FLOPs and launches nothing. Then
+`python -m bov_jax.report --root=DIR` writes the tables and figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from absl import flags
+
+from bov_jax import cli
+from bov_jax.experiments import sweep as sweeps
+
+flags.DEFINE_string("sweep", None, "Sweep file, e.g. configs/sweeps/table1.py.")
+flags.DEFINE_string("root", None, "Directory of the sweep: DIR/<run>/seed<k>/ per job.")
+flags.DEFINE_integer("seeds", None, "Seeds per run (0..N-1); default: the sweep file's.")
+flags.DEFINE_list("only", [], "Run only these runs (comma-separated run names).")
+flags.DEFINE_multi_string(
+    "override", [], "key=value applied to every run, e.g. train.num_steps=20 (repeatable)."
+)
+flags.DEFINE_enum("launcher", "local", sweeps.LAUNCHERS, "Engine that runs the jobs.")
+flags.DEFINE_bool("dry_run", False, "Print the jobs, their horizons and FLOPs; run nothing.")
+flags.DEFINE_alias("dry-run", "dry_run")
+flags.mark_flags_as_required(["sweep", "root"])
+FLAGS = flags.FLAGS
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # no backend-probing chatter
+    sweep = sweeps.load_sweep(FLAGS.sweep)
+    root = Path(FLAGS.root).resolve()
+    seeds = sweep.seeds if FLAGS.seeds is None else FLAGS.seeds
+    jobs = sweeps.expand(sweep, root, seeds, FLAGS.only, FLAGS.override)
+    print(f"sweep {sweep.name}: {sweep.title}")
+    print(sweeps.describe(jobs))
+    if FLAGS.dry_run:
+        return
+    sweeps.write_sweep_record(sweep, root, jobs)
+    invocation = shlex.join(["python", "-m", "bov_jax.sweep", *sys.argv[1:]])
+    if FLAGS.launcher == "slurm":
+        path = root / "slurm_array.sbatch"
+        sweeps.write_executable(path, sweeps.slurm_script(sweep, root, jobs, invocation))
+        print(f"wrote {path}: submit it with `sbatch {path}` from the repository root")
+    elif FLAGS.launcher == "tpu":
+        path = root / "tpu_commands.sh"
+        sweeps.write_executable(path, sweeps.tpu_commands(sweep, jobs, invocation))
+        print(f"wrote {path}: one launch/tpu_pod.sh command per job")
+    else:
+        failed = sweeps.run_local(jobs)
+        if failed:
+            names = ", ".join(f"{job.run.name}/seed{job.seed}" for job in failed)
+            raise cli.UserError(f"{len(failed)} of {len(jobs)} jobs did not finish: {names}")
+        print(f"all {len(jobs)} jobs finished; report: python -m bov_jax.report --root={root}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

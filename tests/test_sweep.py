@@ -1,0 +1,149 @@
+"""Sweeps: expansion into jobs, the paper's horizons, the engines' scripts, skipping finished
+runs, and overrides read like --config flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bov_jax.cli import UserError
+from bov_jax.experiments import sweep as sweeps
+from bov_jax.experiments.configs import apply_override, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def jobs_of(name: str, root: Path, **kwargs) -> list[sweeps.Job]:
+    sweep = sweeps.load_sweep(REPO / "configs" / "sweeps" / f"{name}.py")
+    return sweeps.expand(sweep, root, kwargs.pop("seeds", sweep.seeds), **kwargs)
+
+
+def steps_by_run(jobs: list[sweeps.Job]) -> dict[str, int]:
+    return {job.run.name: job.num_steps for job in jobs}
+
+
+def test_paper_horizons(tmp_path):
+    table1 = steps_by_run(jobs_of("table1", tmp_path))
+    assert (table1["d12"], table1["d12_bov"]) == (3766, 3838)
+    assert len(table1) == 14
+    table3 = steps_by_run(jobs_of("table3", tmp_path))
+    assert (table3["d24"], table3["d24_bov"]) == (7809, 7998)
+    assert set(steps_by_run(jobs_of("table2", tmp_path)).values()) == {95367}
+    assert len(jobs_of("fig5b", tmp_path)) == 5
+
+
+def test_d24_ablation_presets_default_to_the_paper_budget(tmp_path):
+    """Only d24 and d24_bov default to 100B tokens; the ablation rows to 3.91e19 FLOPs."""
+    from bov_jax.accounting import training_plan
+    from bov_jax.presets import config_for
+
+    assert training_plan(config_for("d24_bov")).num_steps == 95367
+    assert training_plan(config_for("d24_x0_learn")).num_steps == 7809
+    assert config_for("d24_v1_every_layer").train.eval_every == 50
+
+
+def test_seeds_workdirs_and_commands(tmp_path):
+    jobs = jobs_of(
+        "table1_cpu",
+        tmp_path,
+        seeds=2,
+        only=["d12", "d12_bov"],
+        extra_overrides=["train.num_steps=6"],
+    )
+    assert [(j.run.name, j.seed) for j in jobs] == [
+        ("d12", 0),
+        ("d12", 1),
+        ("d12_bov", 0),
+        ("d12_bov", 1),
+    ]
+    assert jobs[1].workdir == tmp_path / "d12" / "seed1"
+    assert all(j.num_steps == 6 for j in jobs)
+    command = jobs[1].command()
+    assert "--config.seed=1" in command and "--config.train.num_steps=6" in command
+    assert command[3].endswith("configs/quickstart.py:d12")
+
+
+def test_unknown_run_and_key_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no run named d13"):
+        jobs_of("table1_cpu", tmp_path, only=["d13"])
+    with pytest.raises(UserError, match="did you mean train.num_steps"):
+        jobs_of("table1_cpu", tmp_path, only=["d12"], extra_overrides=["train.num_stepz=3"])
+
+
+def test_overrides_take_the_type_of_the_default():
+    config = load_config(str(REPO / "configs/quickstart.py:d12"))
+    assert apply_override(config, "train.target_flops=3.91e19") == ("train.target_flops", 3.91e19)
+    assert apply_override(config, "train.skip_nonfinite=true")[1] is True
+    assert apply_override(config, "optim.embedding_betas=(0.9, 0.99)")[1] == (0.9, 0.99)
+    with pytest.raises(UserError, match="train.num_steps=abc"):
+        apply_override(config, "train.num_steps=abc")
+
+
+def test_slurm_script_is_valid_bash_and_tpu_commands(tmp_path):
+    sweep = sweeps.load_sweep(REPO / "configs/sweeps/table3.py")
+    jobs = sweeps.expand(sweep, tmp_path, 2)
+    script = tmp_path / "slurm_array.sbatch"
+    sweeps.write_executable(script, sweeps.slurm_script(sweep, tmp_path, jobs, "test"))
+    text = script.read_text()
+    assert "#SBATCH --array=0-11" in text and "launch/slurm.sbatch" in text
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    # task 5's arguments as bash sees them: its workdir and flags
+    probe = text.replace(
+        'exec bash "$REPO/launch/slurm.sbatch" "$@"', 'echo "$WORKDIR"; printf "%s\\n" "$@"'
+    )
+    out = subprocess.run(
+        ["bash", "-c", probe],
+        env={"SLURM_ARRAY_TASK_ID": "5", "PATH": "/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out[0] == str(tmp_path / "d24_v1_learn" / "seed1")
+    assert "--config.train.target_flops=3.91e+19" in out and "--config.seed=1" in out
+    tpu = sweeps.tpu_commands(sweep, jobs, "test")
+    assert tpu.count("launch/tpu_pod.sh run") == 12
+    subprocess.run(["bash", "-n", "-c", tpu], check=True)
+
+
+def test_sweep_record_merges_invocations(tmp_path):
+    sweep = sweeps.load_sweep(REPO / "configs/sweeps/table1_cpu.py")
+    sweeps.write_sweep_record(sweep, tmp_path, sweeps.expand(sweep, tmp_path, 1, ["d12"]))
+    sweeps.write_sweep_record(sweep, tmp_path, sweeps.expand(sweep, tmp_path, 2, ["d12_bov"]))
+    record = json.loads((tmp_path / "sweep.json").read_text())
+    assert record["baseline"] == "d12" and record["seeds"] == [0, 1]
+    runs = {r["name"]: r for r in record["runs"]}
+    assert len(runs) == 14 and runs["d12"]["paper"]["val_bpb"] == 0.854
+    assert runs["d12"]["workdirs"] == {"0": "d12/seed0"}
+    assert runs["d12_bov"]["workdirs"] == {"0": "d12_bov/seed0", "1": "d12_bov/seed1"}
+
+
+def test_local_launcher_skips_finished_runs(tmp_path):
+    jobs = jobs_of("table1_cpu", tmp_path, seeds=1, only=["d12"])
+    jobs[0].workdir.mkdir(parents=True)
+    (jobs[0].workdir / "status.json").write_text(json.dumps({"step": 120, "num_steps": 120}))
+    lines = []
+    assert sweeps.run_local(jobs, log=lines.append) == []
+    assert lines == ["[1/1] d12 seed 0: finished, skipped"]
+
+
+def test_dry_run_cli(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bov_jax.sweep",
+            "--sweep=configs/sweeps/table3.py",
+            f"--root={tmp_path}",
+            "--dry-run",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "7,809" in out and "7,998" in out
+    assert not (tmp_path / "sweep.json").exists()
