@@ -204,9 +204,8 @@ def test_eval_records_carry_the_learned_coefficients(trained):
     assert all(set(r["coefficients"]) == {"gamma/1", "smear_lambda"} for r in evals)
     assert evals[0]["coefficients"] == {"gamma/1": 1.0, "smear_lambda": 0.0}
     config = tiny_config()
-    graphdef, state, _, _ = create_train_state(
-        config, training_plan(config), make_mesh(config.mesh)
-    )
+    mesh = sharding.make_mesh(config.mesh)
+    _, state, _, _ = create_train_state(config, training_plan(config), mesh)
     params = load_parameters(trained / "checkpoints" / "4", state.params)
     saved = learned_coefficients(params)
     assert saved["gamma/1"] != 1.0 and saved["smear_lambda"] != 0.0  # they did train
