@@ -102,7 +102,7 @@ def test_slurm_script_is_valid_bash_and_tpu_commands(tmp_path):
         text=True,
         check=True,
     ).stdout.split()
-    assert out[0] == str(tmp_path / "d24_v1_learn" / "seed1")
+    assert out[0] == str(tmp_path / "d24_x0_learn" / "seed1")
     assert "--config.train.target_flops=3.91e+19" in out and "--config.seed=1" in out
     tpu = sweeps.tpu_commands(sweep, jobs, "test")
     assert tpu.count("launch/tpu_pod.sh run") == 12
