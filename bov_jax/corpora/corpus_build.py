@@ -17,8 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bov_jax.data import registry, shards
-from bov_jax.data.sources.text import split_document
+from bov_jax.corpora import registry
+from bov_jax.corpora.sources.text import split_document
+from bov_jax.data import shards
 
 log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
@@ -198,6 +199,6 @@ def corpus_main(
         args.out,
         args.work_dir,
         corpus_name=corpus_name,
-        command=f"python -m bov_jax.data.build_{corpus_name}",
+        command=f"python -m bov_jax.corpora.build_{corpus_name}",
         **build_kwargs,
     )
