@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bov_jax.corpora import registry
+from bov_jax.corpora.archives import file_sha256
 from bov_jax.corpora.corpus_build import MANIFEST, Source, build_corpus
 from bov_jax.corpora.sources import austen, dictd, files, fortunes, html_text, rdata, sword
 from bov_jax.corpora.sources.text import split_document, unwrap_paragraphs
@@ -193,9 +194,10 @@ def local_deb(tmp_path):
 
 
 def test_build_corpus_is_deterministic_and_resumable(local_deb, tmp_path):
+    (deb,) = (local_deb / "downloads").glob("*.deb")
     source = Source(
         name="tiny",
-        package=registry.Package("deb", "tiny-texts"),
+        package=registry.Package("deb", "tiny-texts", file_sha256(deb)),
         licence="CC0",
         extract=lambda root: files.extract(root, ("usr/share/tiny/*.txt",)),
         members=("usr/share/tiny/*",),

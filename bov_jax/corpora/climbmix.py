@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from bov_jax.corpora.registry import file_sha256
+from bov_jax.corpora.archives import file_sha256
 from bov_jax.data import shards
 from bov_jax.data.errors import DataError
 
