@@ -116,11 +116,16 @@ def test_non_utf8_document_stops_validation(corpus, column_type):
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_non_utf8_document_skipped_and_counted_on_request(corpus, use_cache):
+def test_non_utf8_document_skipped_counted_and_logged_on_request(corpus, use_cache, caplog):
     write_bad_utf8(corpus / "shard_00001.parquet", "binary")
     cfg = config(corpus, use_cache=use_cache, skip_bad_documents=True, shuffle=False)
     validate_data_config(cfg, VOCAB, SEQ)
     iterator = pipeline.make_batch_iterator(cfg, split="train", seq_len=SEQ, batch_size=2, seed=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"{corpus / 'shard_00001.parquet'}: skipped 1 bad document(s), null or "
+        "not UTF-8 (data.skip_bad_documents=True)"
+    ]
     for _ in range(30):  # the epoch passes over the bad shard at least once
         next(iterator)
     assert packing_stats(iterator).skipped_documents >= 1

@@ -64,17 +64,20 @@ class BovTokenCache(tfds.core.GeneratorBasedBuilder):
         for path in shards.split_files(self._shard_dir, split):
             info = shards.check_shard(path)
             parquet = pq.ParquetFile(path)
+            skipped = 0
             for rg in range(len(info.row_group_rows)):
                 where = f"{path}: row group {rg}"
                 texts: list[str | None] = []
                 for row, blob in enumerate(shards.read_raw(parquet, rg)):
                     ok, _ = shards.decode_documents([blob], where, self._skip_bad, first_row=row)
                     texts.append(ok[0] if ok else None)
+                skipped += texts.count(None)
                 ids = iter(self._tokenizer.encode([t for t in texts if t is not None]))
                 for text in texts:
                     tokens = [] if text is None else [self._tokenizer.bos_id, *next(ids)]
                     yield index, {"tokens": np.asarray(tokens, self._dtype)}
                     index += 1
+            shards.report_skipped(path, skipped)
 
 
 def fingerprint(shard_dir: Path, tokenizer: Tokenizer, skip_bad: bool) -> str:
