@@ -228,3 +228,25 @@ def test_unpack_verifies_the_archive_before_extracting(tmp_path):
     with pytest.raises(DataError, match="pkg.tgz has sha256"):
         registry.unpack(fetched, tmp_path / "dest")
     assert not _files(tmp_path / "dest")
+
+
+def _ar_member(name: str, data: bytes) -> bytes:
+    header = f"{name:<16}{0:<12}{0:<6}{0:<6}{644:<8}{len(data):<10}`\n".encode()
+    return header + data + b"\n" * (len(data) % 2)
+
+
+def test_crafted_deb_is_refused_while_streaming(tmp_path):
+    """A .deb (ar: debian-binary, control.tar.gz, data.tar.gz) with a traversal member."""
+    control = _tar(tmp_path / "control.tar.gz", [("./control", b"Package: x\nVersion: 1\n")])
+    data = _tar(tmp_path / "data.tar.gz", [GOOD, ("pkg/data/../../../x", b"escaped")])
+    deb = tmp_path / "x_1_all.deb"
+    deb.write_bytes(
+        b"!<arch>\n"
+        + _ar_member("debian-binary", b"2.0\n")
+        + _ar_member("control.tar.gz", control.read_bytes())
+        + _ar_member("data.tar.gz", data.read_bytes())
+    )
+    before = _files(tmp_path)
+    with pytest.raises(DataError, match="x_1_all.deb: refusing member 'pkg/data/../../../x'"):
+        _unpack(deb, tmp_path)
+    assert all(p.is_relative_to(tmp_path / "dest") for p in _files(tmp_path) - before)

@@ -163,11 +163,17 @@ def _extract(fetched: Fetched, dest: Path, patterns: tuple[str, ...]) -> int:
     """Extracts the members of a verified archive matching `patterns`; returns their number."""
     archive = str(fetched.path)
     if fetched.path.suffix == ".deb":
-        proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", archive], stdout=subprocess.PIPE)
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-            count = extract_tar(tar, archive, dest, patterns)
-        if proc.wait() != 0:
-            raise DataError(f"dpkg-deb could not read {archive} (truncated download?)")
+        with subprocess.Popen(
+            ["dpkg-deb", "--fsys-tarfile", archive], stdout=subprocess.PIPE
+        ) as proc:
+            try:
+                with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+                    count = extract_tar(tar, archive, dest, patterns)
+            except BaseException:
+                proc.kill()  # a refused member: stop dpkg-deb rather than wait on its pipe
+                raise
+            if proc.wait() != 0:
+                raise DataError(f"dpkg-deb could not read {archive} (truncated download?)")
         return count
     if fetched.path.suffix in (".zip", ".whl"):
         with zipfile.ZipFile(fetched.path) as zf:
