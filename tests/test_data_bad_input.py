@@ -1,6 +1,9 @@
 """Each bad input stops with a DataError naming the file (or key) and the problem."""
 
+import errno
+import os
 import shutil
+from pathlib import Path
 
 import ml_collections
 import pyarrow as pa
@@ -116,15 +119,47 @@ def test_non_utf8_document_stops_validation(corpus, column_type):
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_non_utf8_document_skipped_and_counted_on_request(corpus, use_cache):
+def test_non_utf8_document_skipped_counted_and_logged_on_request(corpus, use_cache, caplog):
     write_bad_utf8(corpus / "shard_00001.parquet", "binary")
     cfg = config(corpus, use_cache=use_cache, skip_bad_documents=True, shuffle=False)
     validate_data_config(cfg, VOCAB, SEQ)
     iterator = pipeline.make_batch_iterator(cfg, split="train", seq_len=SEQ, batch_size=2, seed=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"{corpus / 'shard_00001.parquet'}: skipped 1 bad document(s), null or "
+        "not UTF-8 (data.skip_bad_documents=True)"
+    ]
     for _ in range(30):  # the epoch passes over the bad shard at least once
         next(iterator)
     assert packing_stats(iterator).skipped_documents >= 1
     iterator.close()
+
+
+def test_read_only_data_dir_without_cache_suggests_cache_dir(corpus, tmp_path, monkeypatch):
+    shutil.rmtree(corpus / "token_cache", ignore_errors=True)
+    corpus.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: refuse as a read-only mount would
+        mkdir = Path.mkdir
+
+        def read_only_mkdir(path, *args, **kwargs):
+            if path.is_relative_to(corpus):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", read_only_mkdir)
+    kwargs = dict(split="train", seq_len=SEQ, batch_size=2, seed=0)
+    try:
+        message = (
+            rf"cannot build the token cache in {corpus}/token_cache/\w+: Permission denied; "
+            "set config key data.cache_dir to a writable directory"
+        )
+        with pytest.raises(DataError, match=message):
+            pipeline.make_batch_iterator(config(corpus), **kwargs)
+        cfg = config(corpus, cache_dir=str(tmp_path / "cache"))
+        assert next(pipeline.make_batch_iterator(cfg, **kwargs))["inputs"].shape == (2, SEQ)
+    finally:
+        corpus.chmod(0o755)
+    assert not (corpus / "token_cache").exists()
 
 
 def test_tokenizer_vocab_mismatch(corpus):

@@ -9,6 +9,7 @@ and data positions, and the 1-process run must be able to continue it.
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 from test_resume import (
@@ -30,7 +31,8 @@ def run_two_processes(workdir: Path, *flags: str) -> str:
     done = subprocess.run(
         ["bash", str(LAUNCH), "2", *main_args(workdir, TWO_DEVICES, *flags)],
         cwd=REPO,
-        env={**environment(), "LOG_DIR": str(workdir / "process_logs")},
+        # the processes run under this test's interpreter (a venv need not be on PATH)
+        env={**environment(), "PYTHON": sys.executable, "LOG_DIR": str(workdir / "process_logs")},
         capture_output=True,
         text=True,
         timeout=300,

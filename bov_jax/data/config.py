@@ -86,7 +86,8 @@ def validate_data_config(
         infos = [shards.check_shard(p) for p in shards.split_files(Path(data_cfg.data_dir), split)]
         if not data_cfg.use_cache:
             for info in infos:
-                shards.scan_documents(info, data_cfg.skip_bad_documents)
+                skipped = shards.scan_documents(info, data_cfg.skip_bad_documents)
+                shards.report_skipped(info.path, skipped)
         # every token but BOS covers at least one byte of text
         bound = sum(info.text_bytes_bound + info.num_documents for info in infos)
         if seq_len + 1 > bound:

@@ -6,6 +6,7 @@ offending file in its `DataError`.
 """
 
 import hashlib
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bov_jax.data.errors import DataError
+
+log = logging.getLogger(__name__)
 
 TEXT_COLUMN = "text"
 SOURCE_COLUMN = "source"
@@ -110,6 +113,16 @@ def decode_documents(
                 ) from e
             skipped += 1
     return texts, skipped
+
+
+def report_skipped(path: Path, skipped: int) -> None:
+    """Logs a warning naming shard `path` when `skipped` of its documents were skipped as bad."""
+    if skipped:
+        log.warning(
+            "%s: skipped %d bad document(s), null or not UTF-8 (data.skip_bad_documents=True)",
+            path,
+            skipped,
+        )
 
 
 def read_raw(parquet: pq.ParquetFile, row_group: int) -> list[bytes | None]:

@@ -13,6 +13,7 @@ build it ahead of a multi-process run (otherwise the first iterator of each proc
 import argparse
 import hashlib
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import tensorflow_datasets as tfds
 from bov_jax.data import shards
 from bov_jax.data.config import default_data_config, tokenizer_path
 from bov_jax.data.documents import Unit, finish_documents
+from bov_jax.data.errors import DataError
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,17 +66,20 @@ class BovTokenCache(tfds.core.GeneratorBasedBuilder):
         for path in shards.split_files(self._shard_dir, split):
             info = shards.check_shard(path)
             parquet = pq.ParquetFile(path)
+            skipped = 0
             for rg in range(len(info.row_group_rows)):
                 where = f"{path}: row group {rg}"
                 texts: list[str | None] = []
                 for row, blob in enumerate(shards.read_raw(parquet, rg)):
                     ok, _ = shards.decode_documents([blob], where, self._skip_bad, first_row=row)
                     texts.append(ok[0] if ok else None)
+                skipped += texts.count(None)
                 ids = iter(self._tokenizer.encode([t for t in texts if t is not None]))
                 for text in texts:
                     tokens = [] if text is None else [self._tokenizer.bos_id, *next(ids)]
                     yield index, {"tokens": np.asarray(tokens, self._dtype)}
                     index += 1
+            shards.report_skipped(path, skipped)
 
 
 def fingerprint(shard_dir: Path, tokenizer: Tokenizer, skip_bad: bool) -> str:
@@ -91,6 +96,19 @@ def cache_root(data_cfg: ml_collections.ConfigDict) -> Path:
     return Path(data_cfg.cache_dir or Path(data_cfg.data_dir) / "token_cache")
 
 
+def _check_writable(root: Path) -> None:
+    """Raises DataError, suggesting data.cache_dir, unless a cache can be written in `root`."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise DataError(
+            f"cannot build the token cache in {root}: {e.strerror or e}; set config key "
+            "data.cache_dir to a writable directory (or data.use_cache=False to encode on the fly)"
+        ) from e
+
+
 def ensure_cache(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path:
     """Returns the directory of the cache for `data_cfg` and `tokenizer`, building it if needed."""
     shard_dir = Path(data_cfg.data_dir)
@@ -103,6 +121,7 @@ def ensure_cache(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> P
         file_format="array_record",
     )
     if not (Path(builder.data_dir) / "dataset_info.json").exists():
+        _check_writable(root)
         start = time.time()
         log.info("building the token cache of %s in %s", shard_dir, builder.data_dir)
         builder.download_and_prepare()

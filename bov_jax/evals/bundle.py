@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from bov_jax.data.registry import file_sha256
+from bov_jax.corpora.archives import file_sha256
 from bov_jax.evals.converters import MISSING_TASKS, SOURCES, Row
 from bov_jax.evals.core import CORE_TASKS, DEFAULT_BUNDLE_DIR, TASKS_BY_LABEL
 

@@ -11,11 +11,13 @@ import zlib
 import pyarrow.parquet as pq
 import pytest
 
-from bov_jax.data import registry, shards
+from bov_jax.corpora import registry
+from bov_jax.corpora.archives import file_sha256
+from bov_jax.corpora.corpus_build import MANIFEST, Source, build_corpus
+from bov_jax.corpora.sources import austen, dictd, files, fortunes, html_text, rdata, sword
+from bov_jax.corpora.sources.text import split_document, unwrap_paragraphs
+from bov_jax.data import shards
 from bov_jax.data.config import EMBEDDED_DIR
-from bov_jax.data.corpus_build import MANIFEST, Source, build_corpus
-from bov_jax.data.sources import austen, dictd, files, fortunes, html_text, rdata, sword
-from bov_jax.data.sources.text import split_document, unwrap_paragraphs
 
 
 def test_embedded_corpus_and_manifest():
@@ -192,9 +194,10 @@ def local_deb(tmp_path):
 
 
 def test_build_corpus_is_deterministic_and_resumable(local_deb, tmp_path):
+    (deb,) = (local_deb / "downloads").glob("*.deb")
     source = Source(
         name="tiny",
-        package=registry.Package("deb", "tiny-texts"),
+        package=registry.Package("deb", "tiny-texts", file_sha256(deb)),
         licence="CC0",
         extract=lambda root: files.extract(root, ("usr/share/tiny/*.txt",)),
         members=("usr/share/tiny/*",),
@@ -209,6 +212,10 @@ def test_build_corpus_is_deterministic_and_resumable(local_deb, tmp_path):
     )
     first = build_corpus([source], tmp_path / "out", local_deb, **kwargs)
     assert first["sources"][0]["version"] == "1.2-3" and first["documents"] == 40
+    assert first["sources"][0]["archive_sha256"] == file_sha256(deb)
+    assert [p.name for p in (local_deb / "documents").iterdir()] == [
+        f"tiny-{file_sha256(deb)[:16]}.parquet"  # documents are reused only for the same archive
+    ]
     assert [s["split"] for s in first["shards"]][-1] == "val" and len(first["shards"]) >= 3
     val = pq.read_table(shards.split_files(tmp_path / "out", "val")[0])
     assert sum(len(t.encode()) for t in val.column("text").to_pylist()) >= 0.2 * first["text_bytes"]

@@ -1,6 +1,6 @@
 """Download ClimbMix shards (spec 5.1): parallel, resumable, each file verified.
 
-    python -m bov_jax.data.climbmix --num-shards N --out DIR [--workers 8]
+    python -m bov_jax.corpora.climbmix --num-shards N --out DIR [--workers 8]
 
 Fetches shard_00000 ... shard_{N-1} plus shard_06542, the validation shard (the last file in
 sorted order, as in the reference). A download goes to `NAME.part` and resumes from its end with
@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
+from bov_jax.corpora.archives import file_sha256
 from bov_jax.data import shards
 from bov_jax.data.errors import DataError
-from bov_jax.data.registry import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 
-from bov_jax.data.sources.files import matching, read_text
+from bov_jax.corpora.sources.files import matching, read_text
 
 _SKIP = {"script", "style", "head", "nav", "footer"}
 _BLOCK = {

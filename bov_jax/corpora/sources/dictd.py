@@ -9,7 +9,7 @@ import gzip
 from collections.abc import Iterator
 from pathlib import Path
 
-from bov_jax.data.sources.text import group_entries
+from bov_jax.corpora.sources.text import group_entries
 
 _DIGITS = {
     c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")

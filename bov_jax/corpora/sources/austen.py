@@ -4,8 +4,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from bov_jax.data.sources.rdata import read_lazyload_db
-from bov_jax.data.sources.text import unwrap_paragraphs
+from bov_jax.corpora.sources.rdata import read_lazyload_db
+from bov_jax.corpora.sources.text import unwrap_paragraphs
 
 RDX = "usr/lib/R/site-library/janeaustenr/data/Rdata.rdx"
 _CHAPTER = re.compile(r"^(chapter|volume)\s+[0-9ivxlc]+\.?$", re.IGNORECASE)

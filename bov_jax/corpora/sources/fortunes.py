@@ -3,8 +3,8 @@
 from collections.abc import Iterator
 from pathlib import Path
 
-from bov_jax.data.sources.files import matching, read_text
-from bov_jax.data.sources.text import group_entries
+from bov_jax.corpora.sources.files import matching, read_text
+from bov_jax.corpora.sources.text import group_entries
 
 DIRECTORY = "usr/share/games/fortunes"
 

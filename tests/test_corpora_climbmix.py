@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from bov_jax.data import climbmix
+from bov_jax.corpora import climbmix
 from bov_jax.data.errors import DataError
 from bov_jax.data.testing import write_corpus
 
