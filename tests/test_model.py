@@ -8,7 +8,7 @@ from flax import nnx
 from helpers import randomize, tiny_config, tiny_model, tokens
 
 from bov_jax.model import layers
-from bov_jax.model.gpt import GPT, ValueContext, cross_entropy
+from bov_jax.model.gpt import GPT, ValueContext, cross_entropy, learned_coefficients
 from bov_jax.model.spec import ModelSpec, window_sizes
 from bov_jax.presets import PRESETS, config_for
 
@@ -21,6 +21,15 @@ def test_every_preset_builds_and_gives_logits(preset):
     assert logits.dtype == jnp.float32
     assert bool(jnp.all(jnp.abs(logits) <= 15.0))
     assert np.isfinite(float(cross_entropy(logits, tokens(2, 32, seed=2))))
+    # the logged coefficients: one per learned scalar of the value path, plus smear_lambda
+    spec = PRESETS[preset].value_path
+    coefficients = learned_coefficients(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    expected = {
+        f"{name}/{layer}"
+        for layer in model.spec.targets
+        for name in spec.coefficient_names(is_target=True)
+    }
+    assert set(coefficients) == expected | {"smear_lambda"}
 
 
 @pytest.mark.parametrize("preset", ["d12", "d12_bov", "d12_v1", "d12_add_x0_learn", "d24_ve_gated"])

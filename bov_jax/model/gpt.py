@@ -321,7 +321,7 @@ def learned_coefficients(params: dict) -> dict[str, float]:
 
     coefficients = {}
     for layer in sorted(params["blocks"]):
-        value_path = params["blocks"][layer]["attn"]["value"]
+        value_path = params["blocks"][layer]["attn"].get("value", {})  # absent: no parameters
         for name in ("gamma", "alpha", "beta"):
             if name in value_path:
                 coefficients[f"{name}/{layer}"] = read(value_path[name])
