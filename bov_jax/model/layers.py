@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bov_jax.model import splash
+
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
 
 
@@ -47,8 +49,11 @@ def attention(
 ) -> jax.Array:
     """Causal self-attention where query i sees keys j with 0 <= i - j <= window.
 
-    q, k, v: (B, T, H, hd) -> (B, T, H, hd). Softmax scale 1/sqrt(hd).
+    q, k, v: (B, T, H, hd) -> (B, T, H, hd). Softmax scale 1/sqrt(hd). implementation:
+    "xla" or "cudnn" (jax.nn.dot_product_attention) or "splash" (the TPU Pallas kernel).
     """
+    if implementation == "splash":
+        return splash.attention(q, k, v, window=window)
     seq = q.shape[1]
     local = None if window >= seq - 1 else (window, 0)
     return jax.nn.dot_product_attention(
