@@ -144,19 +144,18 @@ def _block(
     q, k_new = attn.queries_keys(h, cos, sin)
     k = _write(cache.k[layer], k_new, pos)
     v, v_new = cache.v[layer], None
-    if v is None:
-        v_all = _rebuilt_values(attn, mode, cache.token_ids, v0)
+    mask = dict(q_positions=positions, k_length=pos + x.shape[1], window=attn.window)
+    if v is None and mode == BANK:  # gather V from the bank inside the attention
+        table = attn.value.bank.embedding[...]
+        y = layers.cached_table_attention(q, k.astype(q.dtype), table, cache.token_ids, **mask)
+        y = attn.value.replace_coef() * y
     else:
-        v_new = attn.value(h, ctx)
-        v = v_all = _write(v, attn.heads(v_new), pos)
-    y = layers.cached_attention(
-        q,
-        k.astype(q.dtype),
-        v_all.astype(q.dtype),
-        q_positions=positions,
-        k_length=pos + x.shape[1],
-        window=attn.window,
-    )
+        if v is None:
+            v_all = _rebuilt_values(attn, mode, cache.token_ids, v0)
+        else:
+            v_new = attn.value(h, ctx)
+            v = v_all = _write(v, attn.heads(v_new), pos)
+        y = layers.cached_attention(q, k.astype(q.dtype), v_all.astype(q.dtype), **mask)
     x = x + attn.output(y)
     return x + block.mlp(layers.rms_norm(x)), k, v, v_new
 
