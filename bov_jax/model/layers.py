@@ -63,9 +63,7 @@ def attention(
     )
 
 
-def cache_mask(
-    q_positions: jax.Array, slots: int, k_length: jax.Array, window: int
-) -> jax.Array:
+def cache_mask(q_positions: jax.Array, slots: int, k_length: jax.Array, window: int) -> jax.Array:
     """Which cache slots each new query sees: (Tq, S) bool.
 
     The query at p sees slot j iff j <= p, p - j <= window and j < k_length.
