@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import randomize, tiny_model, tokens
+from helpers import randomize, tiny_config, tiny_model, tokens
 
 from bov_jax.model import layers, spec, splash
 
@@ -106,3 +106,9 @@ def test_auto_attention_is_splash_on_tpu(monkeypatch):
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         assert spec.resolve_auto("attention_impl", "auto") == impl
     assert spec.resolve_auto("attention_impl", "splash") == "splash"
+
+
+def test_splash_is_refused_on_gpus(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="attention_impl='splash'.*'cudnn'"):
+        spec.ModelSpec.from_config(tiny_config(attention_impl="splash").model)

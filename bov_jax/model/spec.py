@@ -86,6 +86,11 @@ class ModelSpec:
                 f"model.attention_impl={m.attention_impl!r}; expected one of "
                 f"{(*ATTENTION_IMPLS, AUTO)}"
             )
+        if m.attention_impl == "splash" and jax.default_backend() == "gpu":
+            raise ValueError(
+                "model.attention_impl='splash' is the TPU (Pallas) kernel, interpreted off "
+                "TPU; on GPUs use 'cudnn' or 'xla'"
+            )
         if not m.window_pattern or set(m.window_pattern.upper()) - {"S", "L"}:
             raise ValueError(
                 f"model.window_pattern={m.window_pattern!r}; expected a string of 'S' and 'L'"
