@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared device check on a single H200 (run through the session's device tool):
 # train-step throughput and MFU for d12 and d24, baseline vs BoV, bf16 with cuDNN attention
-# (falling back to XLA attention if cuDNN fails). The image's jax/flax/optax are used; only
-# ml_collections is carried as a wheel in .whl/. Results land in $OUT.
+# (falling back to XLA attention if cuDNN fails); `h200.sh decode` times d24 decoding instead.
+# The image's jax/flax/optax are used; only ml_collections is carried as a wheel in .whl/.
+# Results land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -16,7 +17,13 @@ bench() {  # name, timeout, configs, device batch, steps, attention
       --device_batch_size="$4" --steps="$5" --json_out="$OUT/train_$1.json" 2>&1 \
       | grep -v "^W[0-9]" | tee "$OUT/train_$1.log"
 }
-only=${1:-}  # "d12" or "d24" runs that pair alone
+decode() {  # d24 decode at batch 8: baseline vs BoV with and without the V cache
+  timeout 300 python3 -m bov_jax.bench_decode --baseline=d24 --bov=d24_bov --depth=24 \
+      --model_dim=1536 --head_dim=128 --vocab_size=32768 --dtype=bfloat16 --batch=8 \
+      --contexts=2048,32768 --new_tokens=64 2>&1 | grep -v "^W[0-9]" | tee "$OUT/decode_d24.log"
+}
+only=${1:-}  # "d12" or "d24" runs that pair alone; "decode" runs the decode benchmark alone
+if [ "$only" = decode ]; then decode; exit; fi
 attn=cudnn
 if [ "$only" != d24 ]; then
   bench d12 150 configs/d12.py,configs/d12_bov.py 16 10 $attn \

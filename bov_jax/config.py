@@ -61,9 +61,10 @@ def default_config() -> ml_collections.ConfigDict:
     m.smear_channels = 24
     m.logit_softcap = 15.0
     m.param_dtype = "float32"
-    # "auto": bfloat16 on accelerators, float32 on CPU; cuDNN attention on GPUs, else XLA.
+    # "auto": bfloat16 on accelerators, float32 on CPU; cuDNN attention on GPUs, the splash
+    # (Pallas) kernel on TPUs, XLA on CPUs.
     m.compute_dtype = "auto"
-    m.attention_impl = "auto"  # auto | xla | cudnn
+    m.attention_impl = "auto"  # auto | xla | cudnn | splash
     m.value_path = value_path_config()
 
     o = c.optim = ml_collections.ConfigDict()

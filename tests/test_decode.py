@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from helpers import randomize, tiny_model, tokens
 
-from bov_jax.model import decode
+from bov_jax.model import decode, layers
 from bov_jax.presets import PRESETS
 from bov_jax.sample import sample_text, sample_texts
 
@@ -114,6 +114,21 @@ def test_v1_targets_read_layer_0s_v_cache():
     cache = decode.init_cache(model.spec, 1, 8)
     assert [v is None for v in cache.v] == [False, False, True, True]
     assert cache.token_ids is None
+
+
+@pytest.mark.parametrize(("window", "k_length"), [(4, 23), (100, 23), (4, 48)])
+def test_table_attention_equals_attention_over_the_gathered_rows(window, k_length):
+    """Blocks of 8 slots out of 48: blocks before the window and past k_length are skipped."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, 3, 2, 8))
+    k = jax.random.normal(keys[1], (2, 48, 2, 8))
+    table = jax.random.normal(keys[2], (30, 16))
+    ids = jax.random.randint(keys[3], (2, 48), 0, 30)
+    mask = dict(q_positions=k_length - 3 + jnp.arange(3), k_length=k_length, window=window)
+    fused = layers.cached_table_attention(q, k, table, ids, block=8, **mask)
+    gathered = layers.cached_attention(q, k, table[ids].reshape(2, 48, 2, 8), **mask)
+    assert float(jnp.std(gathered)) > 0.1
+    np.testing.assert_allclose(fused, gathered, rtol=1e-5, atol=1e-6)
 
 
 PROMPTS = [[1, 5, 9, 13, 17], [1, *range(20, 28)], [1, *range(40, 51)]]

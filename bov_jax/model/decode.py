@@ -8,8 +8,10 @@ rebuilt from something already held (spec section 8, paper section 4):
 
   own   the layer's values depend on the context: a V cache (B, S, H, hd).
   bank  an id-only target (source=bank, combine=replace): no V cache. The cache keeps the
-        token-id history (B, S) once, and each step gathers V = coef * E_l[ids] for every
-        slot, attends, and drops it. `eliminate_bank_v=False` keeps a V cache instead.
+        token-id history (B, S) once; attention weights come first, then V = coef * E_l[ids]
+        is gathered block by block inside the attention (`layers.cached_table_attention`),
+        only for the blocks inside the layer's window, and never stored whole.
+        `eliminate_bank_v=False` keeps a V cache instead.
   v1    a source=v1, combine=replace target: V = coef * V1, and V1 at past positions is
         exactly layer 0's V cache, so the layer reads that instead of holding a copy.
 
@@ -34,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from bov_jax.model import layers
-from bov_jax.model.gpt import GPT, Attention, Block, ValueContext
+from bov_jax.model.gpt import GPT, Block, ValueContext
 from bov_jax.model.spec import ModelSpec
 
 OWN, BANK, V1 = "own", "bank", "v1"
@@ -108,19 +110,6 @@ def _smear(model: GPT, e: jax.Array, prev: jax.Array, positions: jax.Array) -> j
     return jnp.where((positions > 0)[None, :, None], mixed, e)
 
 
-def _rebuilt_values(
-    attn: Attention, mode: str, token_ids: jax.Array | None, v0: jax.Array | None
-) -> jax.Array:
-    """Values (B, S, H, hd) for every slot of a layer without a V cache.
-
-    BANK: coef * E_l[ids] gathered over the id history (B, S); V1: coef * v0, layer 0's
-    V cache (B, S, H, hd) after this call's write.
-    """
-    if mode == BANK:
-        return attn.heads(attn.value.bank_values(token_ids))
-    return attn.value.replace_coef() * v0
-
-
 def _block(
     block: Block,
     x: jax.Array,
@@ -144,19 +133,18 @@ def _block(
     q, k_new = attn.queries_keys(h, cos, sin)
     k = _write(cache.k[layer], k_new, pos)
     v, v_new = cache.v[layer], None
-    if v is None:
-        v_all = _rebuilt_values(attn, mode, cache.token_ids, v0)
+    mask = dict(q_positions=positions, k_length=pos + x.shape[1], window=attn.window)
+    if v is None and mode == BANK:  # V = coef * E_l[ids], gathered inside the attention
+        table = attn.value.bank.embedding[...]
+        y = layers.cached_table_attention(q, k.astype(q.dtype), table, cache.token_ids, **mask)
+        y = attn.value.replace_coef() * y
     else:
-        v_new = attn.value(h, ctx)
-        v = v_all = _write(v, attn.heads(v_new), pos)
-    y = layers.cached_attention(
-        q,
-        k.astype(q.dtype),
-        v_all.astype(q.dtype),
-        q_positions=positions,
-        k_length=pos + x.shape[1],
-        window=attn.window,
-    )
+        if v is None:  # V1: V = coef * layer 0's V cache
+            v_all = attn.value.replace_coef() * v0
+        else:
+            v_new = attn.value(h, ctx)
+            v = v_all = _write(v, attn.heads(v_new), pos)
+        y = layers.cached_attention(q, k.astype(q.dtype), v_all.astype(q.dtype), **mask)
     x = x + attn.output(y)
     return x + block.mlp(layers.rms_norm(x)), k, v, v_new
 

@@ -137,10 +137,6 @@ class ValuePath(nnx.Module):
             "learned": self._coef("gamma") if self.vp.scale == "learned" else 1.0,
         }[self.vp.scale]
 
-    def bank_values(self, token_ids: jax.Array) -> jax.Array:
-        """Values of an id-only (bank, replace) target layer: (B, T) -> (B, T, K)."""
-        return self.replace_coef() * self.bank(token_ids)
-
     def __call__(self, x: jax.Array, ctx: ValueContext) -> jax.Array:
         if not self.is_target:
             return self.c_v(x)

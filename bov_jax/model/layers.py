@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from bov_jax.model import splash
 
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
 
@@ -47,13 +51,26 @@ def attention(
 ) -> jax.Array:
     """Causal self-attention where query i sees keys j with 0 <= i - j <= window.
 
-    q, k, v: (B, T, H, hd) -> (B, T, H, hd). Softmax scale 1/sqrt(hd).
+    q, k, v: (B, T, H, hd) -> (B, T, H, hd). Softmax scale 1/sqrt(hd). implementation:
+    "xla" or "cudnn" (jax.nn.dot_product_attention) or "splash" (the TPU Pallas kernel).
     """
+    if implementation == "splash":
+        return splash.attention(q, k, v, window=window)
     seq = q.shape[1]
     local = None if window >= seq - 1 else (window, 0)
     return jax.nn.dot_product_attention(
         q, k, v, is_causal=True, local_window_size=local, implementation=implementation
     )
+
+
+def cache_mask(q_positions: jax.Array, slots: int, k_length: jax.Array, window: int) -> jax.Array:
+    """Which cache slots each new query sees: (Tq, S) bool.
+
+    The query at p sees slot j iff j <= p, p - j <= window and j < k_length.
+    """
+    j = jnp.arange(slots)[None, :]
+    p = q_positions[:, None]
+    return (j <= p) & (p - j <= window) & (j < k_length)
 
 
 def cached_attention(
@@ -67,11 +84,47 @@ def cached_attention(
 ) -> jax.Array:
     """Attention of new queries over a cache of keys/values (decoding).
 
-    q: (B, Tq, H, hd) at absolute positions q_positions (Tq,); k, v: (B, Tk, H, hd) where
-    slots >= k_length are empty. Query at p sees key slot j iff j <= p, p - j <= window
-    and j < k_length. Returns (B, Tq, H, hd).
+    q: (B, Tq, H, hd) at absolute positions q_positions (Tq,); k, v: (B, S, H, hd) where
+    slots >= k_length are empty; masked as `cache_mask`. Returns (B, Tq, H, hd).
     """
-    slots = jnp.arange(k.shape[1])
-    p = q_positions[:, None]
-    mask = (slots[None, :] <= p) & (p - slots[None, :] <= window) & (slots[None, :] < k_length)
+    mask = cache_mask(q_positions, k.shape[1], k_length, window)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="xla")
+
+
+def cached_table_attention(
+    q: jax.Array,
+    k: jax.Array,
+    table: jax.Array,
+    ids: jax.Array,
+    *,
+    q_positions: jax.Array,
+    k_length: jax.Array,
+    window: int,
+    block: int = 512,
+) -> jax.Array:
+    """`cached_attention` whose values are table rows: v[b, j] = table[ids[b, j]].
+
+    q: (B, Tq, H, hd) at ascending positions q_positions (Tq,); k: (B, S, H, hd); table:
+    (rows, H * hd); ids: (B, S) int. The softmax weights (B, H, Tq, S) come first; then a
+    loop over blocks of slots gathers each block's rows (B, block, H, hd) and adds its
+    weighted sum, so the values of all S slots are never gathered into one buffer, and
+    blocks no query sees (past k_length, or before the first query's window) are skipped.
+    Returns (B, Tq, H, hd) in q's dtype.
+    """
+    batch, slots, heads, head_dim = k.shape
+    logits = jnp.einsum("bqhd,bshd->bhqs", q, k, preferred_element_type=jnp.float32)
+    logits = logits / jnp.sqrt(jnp.float32(head_dim))
+    mask = cache_mask(q_positions, slots, k_length, window)[None, None]
+    weights = jax.nn.softmax(logits, axis=-1, where=mask).astype(q.dtype)
+    size = math.gcd(slots, block)  # blocks tile the S slots exactly
+
+    def add_block(i: jax.Array, acc: jax.Array) -> jax.Array:
+        w = jax.lax.dynamic_slice_in_dim(weights, i * size, size, axis=3)
+        rows = table[jax.lax.dynamic_slice_in_dim(ids, i * size, size, axis=1)]
+        rows = rows.astype(q.dtype).reshape(batch, size, heads, head_dim)
+        return acc + jnp.einsum("bhqs,bshd->bqhd", w, rows, preferred_element_type=jnp.float32)
+
+    first = jnp.maximum(q_positions[0] - window, 0) // size
+    last = -(-k_length // size)
+    out = jnp.zeros(q.shape, jnp.float32)
+    return jax.lax.fori_loop(first, last, add_block, out).astype(q.dtype)

@@ -12,19 +12,19 @@ import jax.numpy as jnp
 from bov_jax.model.values import ValuePathSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_IMPLS = ("xla", "cudnn", "splash")
 AUTO = "auto"
 
 
 def resolve_auto(key: str, value: str) -> str:
-    """'auto' picks by backend: bf16 compute and cuDNN attention on GPUs, bf16 and XLA
+    """'auto' picks by backend: bf16 compute and cuDNN attention on GPUs, bf16 and splash
     attention on TPUs, fp32 and XLA attention on CPUs."""
     if value != AUTO:
         return value
     backend = jax.default_backend()
     if key == "compute_dtype":
         return "float32" if backend == "cpu" else "bfloat16"
-    return "cudnn" if backend == "gpu" else "xla"
+    return {"gpu": "cudnn", "tpu": "splash"}.get(backend, "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,11 @@ class ModelSpec:
             raise ValueError(
                 f"model.attention_impl={m.attention_impl!r}; expected one of "
                 f"{(*ATTENTION_IMPLS, AUTO)}"
+            )
+        if m.attention_impl == "splash" and jax.default_backend() == "gpu":
+            raise ValueError(
+                "model.attention_impl='splash' is the TPU (Pallas) kernel, interpreted off "
+                "TPU; on GPUs use 'cudnn' or 'xla'"
             )
         if not m.window_pattern or set(m.window_pattern.upper()) - {"S", "L"}:
             raise ValueError(

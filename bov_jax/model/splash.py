@@ -1,0 +1,101 @@
+"""TPU splash attention (Pallas) for the causal and sliding-window layers.
+
+jax's own kernel (`jax.experimental.pallas.ops.tpu.splash_attention`) skips the blocks a
+mask leaves empty, so a window-W layer costs O(T * W) instead of XLA's O(T^2). Off TPU it
+runs in Pallas interpret mode (slow; for tests only).
+
+The kernel wants a sequence length that is a multiple of its blocks (multiples of 128):
+inputs are padded at the end and the padding sliced off. The padding is exact: under a
+causal mask no real query sees a later (padded) key.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+from jax.sharding import PartitionSpec
+
+LANES = 128  # every splash block size must be a multiple of this
+BLOCKS = (512, 256, 128)  # preferred block sizes, largest first
+BATCH_AXES, HEAD_AXIS = ("data", "fsdp"), "tensor"  # bov_jax.sharding's mesh axes
+
+
+def block_size(seq: int) -> int:
+    """The largest preferred block that divides seq (a multiple of LANES)."""
+    return next(b for b in BLOCKS if seq % b == 0)
+
+
+def layer_mask(seq: int, window: int) -> masks.Mask:
+    """Query i sees keys j with 0 <= i - j <= window: causal when the window spans the
+    sequence, else a left-only local window. (seq, seq)."""
+    if window >= seq - 1:
+        return masks.CausalMask((seq, seq))
+    return masks.LocalMask((seq, seq), window_size=(window, 0), offset=0)
+
+
+@functools.lru_cache(maxsize=64)
+def make_kernel(
+    seq: int, heads: int, window: int, block: int, interpret: bool
+) -> kernel.SplashAttentionKernel:
+    """A multi-head splash kernel (forward and backward) for one layer shape, cached.
+
+    Its mask tables are built as concrete arrays even when first asked for inside a jit
+    trace, so the cached kernel never holds a tracer.
+    """
+    mask = masks.MultiHeadMask([layer_mask(seq, window)] * heads)
+    blocks = kernel.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    with jax.ensure_compile_time_eval():
+        return kernel.make_splash_mha(
+            mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret
+        )
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int, block: int | None) -> jax.Array:
+    """Splash attention on one device's shard. q, k, v: (B, T, H, hd) -> (B, T, H, hd)."""
+    _, seq, heads, head_dim = q.shape
+    padded = -(-seq // LANES) * LANES
+    block = block or block_size(padded)
+    if padded % block:
+        raise ValueError(f"splash block {block} does not divide the padded length {padded}")
+    interpret = jax.default_backend() != "tpu"
+    splash = make_kernel(padded, heads, window, block, interpret)
+
+    def heads_major(x: jax.Array) -> jax.Array:  # (B, T, H, hd) -> (B, H, T_pad, hd)
+        return jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)  # the kernel does not scale
+    y = jax.vmap(splash)(heads_major(q), heads_major(k), heads_major(v))
+    return y.transpose(0, 2, 1, 3)[:, :seq]
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, block: int | None = None
+) -> jax.Array:
+    """Causal splash attention where query i sees keys j with 0 <= i - j <= window.
+
+    q, k, v: (B, T, H, hd) -> (B, T, H, hd); softmax scale 1/sqrt(hd); block: the kernel's
+    block size (default: the largest of BLOCKS dividing T rounded up to 128). Pallas
+    kernels are not partitioned by XLA: under an ambient mesh (`jax.set_mesh`) with
+    bov_jax.sharding's axes, each device runs the kernel on its batch rows and heads.
+    """
+    attend = functools.partial(_attend, window=window, block=block)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) | {HEAD_AXIS} <= set(mesh.axis_names):
+        return attend(q, k, v)
+    spec = PartitionSpec(BATCH_AXES, None, HEAD_AXIS, None)
+    sharded = jax.shard_map(attend, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    return sharded(q, k, v)
