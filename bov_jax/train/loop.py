@@ -16,6 +16,7 @@ unless `train.skip_nonfinite`, which draws the next batch instead.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -41,6 +42,7 @@ from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.data.unigram import unigram_bpb
 from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.model.gpt import learned_coefficients
+from bov_jax.model.spec import resolve_auto
 from bov_jax.train import schedules
 from bov_jax.train.checkpoint import Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
@@ -465,10 +467,13 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
         streams,
     )
     stop = StopRequest()
+    # Splash kernels are not partitioned by XLA: they shard_map over the ambient mesh.
+    splash = resolve_auto("attention_impl", config.model.attention_impl) == "splash"
     try:
-        final = train_in(
-            workdir, Trainer(config, workdir, plan, mesh, layout, tokenizer, config_dict, stop)
-        )
+        with jax.set_mesh(mesh) if splash else contextlib.nullcontext():
+            final = train_in(
+                workdir, Trainer(config, workdir, plan, mesh, layout, tokenizer, config_dict, stop)
+            )
     finally:
         stop.uninstall()
     if is_main and final["finished"] and math.isfinite(final.get("val_bpb", math.nan)):
