@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from bov_jax import cli
 from bov_jax.memory import kv_cache_bytes
 from bov_jax.model.decode import SLOT_MULTIPLE, Engine, KVCache, Prefilled, init_cache
 from bov_jax.model.gpt import GPT
@@ -146,4 +147,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

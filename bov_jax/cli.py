@@ -49,14 +49,17 @@ def report(err: BaseException) -> None:
     print(f"error: {err}", file=sys.stderr)
 
 
-def storage_error(err: OSError) -> UserError | None:
-    """A full disk, a read-only or forbidden path as a UserError naming the path, else None."""
-    if err.errno not in STORAGE_ERRNOS:
-        return None
-    where = err.filename or "a file"
-    return UserError(
-        f"cannot write {where}: {os.strerror(err.errno)} (free space or pick a writable path)"
-    )
+def os_user_error(err: OSError) -> UserError | None:
+    """A missing file, a full disk, a read-only or forbidden path as a UserError naming the
+    path; None for other OSErrors (bugs keep their traceback)."""
+    if err.errno in STORAGE_ERRNOS:
+        where = err.filename or "a file"
+        return UserError(
+            f"cannot write {where}: {os.strerror(err.errno)}; free space or pick a writable path"
+        )
+    if isinstance(err, FileNotFoundError | NotADirectoryError | IsADirectoryError):
+        return UserError(str(err))
+    return None
 
 
 def config_key_paths() -> list[str]:
@@ -106,23 +109,35 @@ def parse_flags(argv: list[str]) -> list[str]:
         raise UserError(f"cannot load the config: {lines[-1] if lines else err!r}") from err
 
 
+def guarded(call: Callable[..., object], *args: object, debug: bool = False) -> object:
+    """call(*args), with a user error (or a user's OSError) printed as one line and the
+    process ended with its exit status; with `debug`, or for any other error, it propagates."""
+    try:
+        return call(*args)
+    except (UserError, OSError) as err:
+        user_error = os_user_error(err) if isinstance(err, OSError) else err
+        if user_error is None or debug:
+            raise
+        report(user_error)
+        sys.exit(user_error.exit_status)
+
+
 def run(main: Callable[[list[str]], object]) -> None:
     """absl's app.run(main), with user errors printed as one line and their exit status.
 
-    Covers flag and config parsing, UserErrors and full-disk / read-only OSErrors.
+    Covers flag and config parsing, UserErrors, missing files and full-disk / read-only
+    OSErrors.
     """
-
-    def guarded(call: Callable, argv: list[str]) -> object:
-        try:
-            return call(argv)
-        except (UserError, OSError) as err:
-            user_error = storage_error(err) if isinstance(err, OSError) else err
-            if user_error is None or debug_enabled(argv):
-                raise
-            report(user_error)
-            sys.exit(user_error.exit_status)
-
     app.run(
-        lambda argv: guarded(main, argv),
-        flags_parser=lambda argv: guarded(parse_flags, argv),
+        lambda argv: guarded(main, argv, debug=debug_enabled(argv)),
+        flags_parser=lambda argv: guarded(parse_flags, argv, debug=debug_enabled(argv)),
     )
+
+
+def run_argparse(main: Callable[[], object]) -> None:
+    """The same boundary for an argparse command line: main() reads sys.argv, from which a
+    `--debug` flag is taken out first."""
+    debug = "--debug" in sys.argv
+    if debug:
+        sys.argv.remove("--debug")
+    guarded(main, debug=debug or debug_enabled([]))

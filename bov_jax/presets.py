@@ -14,6 +14,7 @@ import dataclasses
 
 import ml_collections
 
+from bov_jax import cli
 from bov_jax.config import default_config
 from bov_jax.model.values import ValuePathSpec
 
@@ -179,7 +180,12 @@ def main() -> None:
     print(f"{'preset':{width}}  {'paper row':58}  reference --model-type")
     for name, p in PRESETS.items():
         print(f"{name:{width}}  {p.paper:58}  {p.reference}")
+    print(
+        "\nRun one with: python -m bov_jax.main --config=configs/ablations.py:<preset> "
+        "--workdir=runs/<preset> (the d12/d24 headline presets also have configs/<preset>.py; "
+        "configs/quickstart.py:<preset> gives a preset's value path on the small CPU model)."
+    )
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Protocol
 
+from bov_jax import cli
 from bov_jax.model.decode import generate
 from bov_jax.model.gpt import GPT
 
@@ -90,4 +91,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

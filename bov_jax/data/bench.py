@@ -12,6 +12,7 @@ import time
 
 import ml_collections
 
+from bov_jax import cli
 from bov_jax.data.config import default_data_config
 from bov_jax.data.packing import packing_stats
 from bov_jax.data.pipeline import make_batch_iterator
@@ -77,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import tensorflow_datasets as tfds
 
+from bov_jax import cli
 from bov_jax.data import shards
 from bov_jax.data.config import default_data_config, tokenizer_path
 from bov_jax.data.documents import Unit, finish_documents
@@ -155,4 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import sentencepiece as spm
 
+from bov_jax import cli
 from bov_jax.data import shards
 from bov_jax.data.errors import DataError
 
@@ -234,4 +235,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

@@ -18,6 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from bov_jax import cli
+
 
 def bpb_sums(
     per_token_nats: jax.Array, targets: jax.Array, token_bytes: jax.Array
@@ -88,4 +90,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

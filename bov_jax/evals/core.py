@@ -36,6 +36,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from bov_jax import cli
+
 logger = logging.getLogger(__name__)
 
 TaskType = Literal["multiple_choice", "schema", "language_modeling"]
@@ -471,4 +473,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

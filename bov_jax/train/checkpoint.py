@@ -424,6 +424,16 @@ class Checkpoints:
     def check_experiment(self, step: int, saved: dict, config: dict) -> None:
         """ConfigMismatchError listing the differing keys, except those of
         `checkpoint.allow_changes`, which are accepted with a warning."""
+        saved_model = saved.get("model", {})
+        if saved_model.get("compute_dtype") == "auto":  # written before auto was recorded resolved
+            resolved = config["model"]["compute_dtype"]
+            log.warning(
+                "checkpoint %d recorded model.compute_dtype='auto' without what it resolved to; "
+                "assuming %r, as it resolves here",
+                step,
+                resolved,
+            )
+            saved = {**saved, "model": {**saved_model, "compute_dtype": resolved}}
         allowed = allowed_changes(config)
         differences = experiment_differences(saved, config)
         accepted = [d for d in differences if d.split(":", 1)[0] in allowed]

@@ -492,13 +492,13 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     """Train (or resume) the configured run in `workdir`; returns the final metrics."""
     workdir = Path(workdir)
     validate_config(config)
+    ensure_writable(workdir)
     plan = training_plan(config)
     with config_errors():
         mesh = sharding.make_mesh(config.mesh)
         layout = BatchLayout.resolve(config, plan, mesh)
     streams = resolve_data_streams(config, layout)
     validate_data_config(config.data, config.model.vocab_size, config.model.seq_len)
-    ensure_writable(workdir)
     tokenizer = load_tokenizer(
         tokenizer_path(config.data), config.model.vocab_size, config.data.encode_threads
     )
