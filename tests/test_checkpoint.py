@@ -216,7 +216,9 @@ def poison_call(bad_calls: set[int]):
 
 def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(loop, "make_train_step", poison_call({3}))
-    with pytest.raises(loop.NonFiniteLossError, match="at step 3 .*latest checkpoint \\(step 2"):
+    with pytest.raises(
+        loop.NonFiniteLossError, match="at step 3 .*checkpoints/2, where a rerun continues"
+    ):
         loop.run(tiny_config(), tmp_path)
     assert checkpoint_steps(tmp_path) == [2]
     verify_manifest(tmp_path / "checkpoints" / "2", 2)

@@ -74,7 +74,7 @@ def test_nonfinite_update_never_reaches_a_checkpoint(tmp_path):
     output = run_main(
         tmp_path,
         f"--config.train.num_steps={STEPS + 2}",
-        '--config.checkpoint.allow_changes="train.num_steps"',
+        "--config.checkpoint.allow_changes=train.num_steps",
     )
     assert "train.num_steps: 8 -> 10" in output and "schedules follow the new values" in output
     assert [r["step"] for r in metrics(tmp_path)] == list(range(STEPS + 3))
