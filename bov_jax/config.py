@@ -185,20 +185,96 @@ def _source_docs(function: object, sections: dict[str, str]) -> dict[str, str]:
         if comment := COMMENT.match(line):
             above.append(comment.group(1))
         elif (assign := ASSIGNMENT.match(line)) and assign.group(1) in sections:
-            key = sections[assign.group(1)] + assign.group(2)
-            docs[key] = assign.group(3) or " ".join(above)
+            if doc := assign.group(3) or " ".join(above):
+                docs[sections[assign.group(1)] + assign.group(2)] = doc
             above = []
         else:
             above = []
     return docs
 
 
+# Docs of the keys whose assignment above carries no comment (shown by --show_config).
+KEY_DOCS = {
+    "name": "run name (logs only)",
+    "seed": "initialisation and data-order seed",
+    "model.depth": "transformer blocks",
+    "model.aspect_ratio": "width per layer: model_dim = depth * aspect_ratio (rounded up)",
+    "model.head_dim": "attention head width",
+    "model.vocab_size": "tokenizer vocabulary (must match the tokenizer)",
+    "model.pad_vocab_to": "embedding rows padded to a multiple of this",
+    "model.seq_len": "tokens per training row",
+    "model.window_pattern": "per-layer attention windows, S(hort)/L(ong), repeated",
+    "model.rope_base": "rotary embedding base",
+    "model.qk_scale": "scale of the normalised q.k logits",
+    "model.mlp_ratio": "MLP hidden width / model width",
+    "model.smear_channels": "channels of the smear gate's input",
+    "model.logit_softcap": "logits = cap * tanh(logits / cap)",
+    "model.param_dtype": "parameter and optimizer-state dtype",
+    "model.value_path.source": "what feeds the target layers' values (see model/values.py)",
+    "model.value_path.combine": "how the source meets c_v(x): replace, add, gated_add",
+    "model.value_path.scale": "coefficients: none, fixed (fixed_coeff) or learned",
+    "model.value_path.layers": "which layers are targets (last_third, every_other, ...)",
+    "model.value_path.bank_shared": "one bank for every target layer",
+    "model.value_path.bank_init": "bank init: aligned or uniform",
+    "model.value_path.fixed_coeff": "the constant of scale=fixed",
+    "optim.embedding_lr": "AdamW lr of wte (and, x value_table_lr_mult, of the banks)",
+    "optim.unembedding_lr": "AdamW lr of lm_head",
+    "optim.matrix_lr": "Muon lr of the blocks' 2-D kernels",
+    "optim.scalar_lr": "AdamW lr of the beta/gamma coefficients (alpha: x alpha_lr_mult)",
+    "optim.smear_lr": "AdamW lr of the smear gate and lambda",
+    "optim.value_table_lr_mult": "bank lr = embedding_lr x this",
+    "optim.alpha_lr_mult": "alpha lr = scalar_lr x this",
+    "optim.weight_decay": "Muon's cautious weight decay",
+    "optim.adam_eps": "AdamW epsilon",
+    "optim.embedding_betas": "AdamW (beta1, beta2) of wte",
+    "optim.unembedding_betas": "AdamW (beta1, beta2) of lm_head",
+    "optim.value_table_betas": "AdamW (beta1, beta2) of the banks",
+    "optim.smear_betas": "AdamW (beta1, beta2) of the smear",
+    "optim.alpha_betas": "AdamW (beta1, beta2) of alpha",
+    "optim.beta_betas": "AdamW (beta1, beta2) of beta/gamma",
+    "optim.embedding_wd": "AdamW weight decay of wte",
+    "optim.unembedding_wd": "AdamW weight decay of lm_head",
+    "optim.value_table_wd": "AdamW weight decay of the banks",
+    "optim.alpha_wd": "AdamW weight decay of alpha",
+    "optim.muon_ns_steps": "Polar Express iterations",
+    "optim.muon_beta2": "NorMuon second-moment EMA",
+    "optim.muon_momentum_start": "Muon momentum at step 0",
+    "optim.muon_momentum": "Muon momentum after the warmup",
+    "optim.muon_momentum_end": "Muon momentum at the end of the warmdown",
+    "optim.muon_momentum_warmup_steps": "steps from momentum_start to momentum",
+    "optim.warmup_steps": "linear lr warmup steps",
+    "optim.warmdown_ratio": "fraction of the run with the lr decaying to final_lr_frac",
+    "optim.final_lr_frac": "lr multiplier at the last step",
+    "optim.reference_d_model": "width the lrs are tuned for (lr x (d / this)^-0.5)",
+    "optim.reference_batch_tokens": "batch the lrs are tuned for (lr x sqrt(B / this))",
+    "train.target_flops": "horizon in FLOPs (-1: unset)",
+    "train.target_tokens": "horizon in tokens (-1: unset)",
+    "train.target_param_data_ratio": "horizon as tokens per scaling parameter",
+    "train.device_batch_size": "rows per device per micro-batch (accumulation fills the rest)",
+    "train.log_every": "steps between log lines",
+    "train.eval_every": "steps between val BPB evaluations",
+    "train.eval_tokens": "val tokens per evaluation",
+    "train.sample_every": "steps between greedy samples in the log",
+    "train.sample_tokens": "tokens per sample",
+    "train.skip_nonfinite": "redraw a batch whose step is non-finite instead of stopping",
+    "train.profile_start_step": "first step of a jax.profiler trace (-1: off)",
+    "train.profile_num_steps": "steps traced",
+    "train.dump_hlo": "write the compiled step's HLO to the workdir",
+    "mesh.fsdp": "devices the parameters are sharded over (-1: the rest)",
+    "mesh.tensor": "devices of tensor parallelism (-1: the rest)",
+    "checkpoint.keep": "newest checkpoints kept",
+    "checkpoint.async_save": "save in the background while training goes on",
+}
+
+
 def describe_keys() -> list[tuple[str, object, str]]:
     """(key, default, one-line doc) of every config key, from the comments in this file and
     in bov_jax/data/config.py."""
     sections = dict(c="", m="model.", o="optim.", t="train.", mesh="mesh.", ck="checkpoint.")
-    docs = _source_docs(default_config, sections) | _source_docs(
-        default_data_config, {"c": "data."}
+    docs = (
+        KEY_DOCS
+        | _source_docs(default_config, sections)
+        | _source_docs(default_data_config, {"c": "data."})
     )
     return [(key, value, docs.get(key, "")) for key, value in key_paths(default_config()).items()]
 
