@@ -67,9 +67,13 @@ class NonFiniteLossError(UserError, RuntimeError):
 
 
 def current_umask() -> int:
+    """The process umask (read by setting it: call it before other threads create files)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+FILE_MODE = 0o666 & ~current_umask()  # what open() gives a new file, read once at import
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -79,7 +83,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     """
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
         tmp.write(text)
-    os.chmod(tmp.name, 0o666 & ~current_umask())
+    os.chmod(tmp.name, FILE_MODE)
     os.replace(tmp.name, path)
 
 
