@@ -16,7 +16,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import pyarrow.parquet as pq
 import pytest
 from test_resume import REPO, STEPS, checkpoint_steps, environment, main_args, metrics, run_main
@@ -24,7 +27,13 @@ from test_resume import REPO, STEPS, checkpoint_steps, environment, main_args, m
 from bov_jax.config import ConfigError, default_config, validate_config
 from bov_jax.data import shards
 from bov_jax.data.config import EMBEDDED_DIR
-from bov_jax.train.checkpoint import experiment_differences, verify_manifest
+from bov_jax.train.checkpoint import (
+    Checkpoints,
+    DataStateError,
+    experiment_differences,
+    verify_manifest,
+)
+from bov_jax.train.state import TrainState
 
 NO_CACHE = "--config.data.use_cache=False"  # copied data dirs: no token cache to build
 
@@ -39,7 +48,7 @@ def run_failing(workdir: Path, *flags: str, driver: tuple[str, ...] = ()) -> tup
         env=environment(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done.returncode, done.stderr
@@ -156,6 +165,36 @@ def test_changed_data_is_refused_by_name_and_no_checkpoint_moves(
     assert status == 1 and "is not the data of checkpoint" in stderr
     assert "shard_00001.parquet:" in stderr and "shard_00000.parquet:" not in stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+class Position:
+    """A data iterator stand-in: its state, and a set_state that refuses what does not fit."""
+
+    def __init__(self, documents: int):
+        self.documents, self.position = documents, 0
+
+    def get_state(self) -> dict:
+        return {"position": self.position}
+
+    def set_state(self, state: dict) -> None:
+        if state["position"] > self.documents:
+            raise ValueError(f"position {state['position']} beyond {self.documents} documents")
+        self.position = state["position"]
+
+
+def test_data_position_that_no_longer_fits_is_not_a_damaged_checkpoint(tmp_path):
+    state = TrainState(jnp.int32(2), {"w": jnp.ones(3)}, {}, jax.random.key(0))
+    streams = SimpleNamespace(count=1, iterators={0: Position(100)})
+    streams.iterators[0].position = 50
+    checkpoints = Checkpoints(tmp_path, keep=2, async_save=False)
+    checkpoints.save(2, state, streams, {})
+    fewer = SimpleNamespace(count=1, iterators={0: Position(40)})
+    with pytest.raises(DataStateError, match="stream_0-of-1.json: the saved data position"):
+        checkpoints.restore_latest(state, fewer, {}, fallback=True)
+    assert checkpoint_steps(tmp_path) == [2] and not list(
+        (tmp_path / "checkpoints").glob("*corrupt*")
+    )
+    checkpoints.close()
 
 
 def test_auto_choices_are_compared_resolved():
