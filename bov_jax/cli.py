@@ -55,7 +55,7 @@ def os_user_error(err: OSError) -> UserError | None:
     if err.errno in STORAGE_ERRNOS:
         where = err.filename or "a file"
         return UserError(
-            f"cannot write {where}: {os.strerror(err.errno)}; free space or pick a writable path"
+            f"cannot use {where}: {os.strerror(err.errno)}; free space or pick a writable path"
         )
     if isinstance(err, FileNotFoundError | NotADirectoryError | IsADirectoryError):
         return UserError(str(err))
