@@ -235,9 +235,11 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
     flags.DEFINE_bool("xla", False, "Also compile the model and print XLA's FLOPs count.")
-    app.run(main)
+    from bov_jax import cli
+
+    cli.run(main)

@@ -22,7 +22,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from bov_jax import sharding
+from bov_jax import cli, sharding
 from bov_jax.accounting import training_plan
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train.metrics import peak_flops_per_device
@@ -157,4 +157,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

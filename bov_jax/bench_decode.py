@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from bov_jax import cli
 from bov_jax.memory import kv_cache_bytes
 from bov_jax.model.decode import SLOT_MULTIPLE, Engine, KVCache, Prefilled, init_cache
 from bov_jax.model.gpt import GPT
@@ -127,17 +128,22 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bov_jax.bench_decode", description=__doc__)
     parser.add_argument("--baseline", default="d12", help="baseline preset")
     parser.add_argument("--bov", default="d12_bov", help="BoV preset")
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--model_dim", type=int, default=256)
-    parser.add_argument("--head_dim", type=int, default=64)
-    parser.add_argument("--vocab_size", type=int, default=8192)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=6, help="layers")
+    parser.add_argument("--model_dim", type=int, default=256, help="model width")
+    parser.add_argument("--head_dim", type=int, default=64, help="attention head width")
+    parser.add_argument("--vocab_size", type=int, default=8192, help="vocabulary size")
     parser.add_argument(
-        "--contexts", type=lambda s: [int(c) for c in s.split(",")], default=[256, 1024, 4096]
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype"
     )
-    parser.add_argument("--new_tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4, help="sequences decoded together")
+    parser.add_argument(
+        "--contexts",
+        type=lambda s: [int(c) for c in s.split(",")],
+        default=[256, 1024, 4096],
+        help="context lengths, comma-separated",
+    )
+    parser.add_argument("--new_tokens", type=int, default=32, help="tokens decoded per sequence")
+    parser.add_argument("--repeats", type=int, default=2, help="timed repetitions")
     return parser.parse_args(argv)
 
 
@@ -146,4 +152,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

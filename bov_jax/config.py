@@ -5,9 +5,22 @@ what differs. Keys are grouped by the module that consumes them. `validate_confi
 checks the whole tree before anything is compiled and names the offending key.
 """
 
+import contextlib
+import dataclasses
+import difflib
+import inspect
+import math
+import re
+from collections.abc import Iterator
+
 import ml_collections
 
+from bov_jax.cli import UserError
 from bov_jax.data.config import default_data_config
+
+
+class ConfigError(UserError, ValueError):
+    """A config key that is unknown, missing or out of range; the message names the key."""
 
 
 def value_path_config(
@@ -124,6 +137,9 @@ def default_config() -> ml_collections.ConfigDict:
     t.profile_start_step = -1
     t.profile_num_steps = 0
     t.dump_hlo = False
+    # TEST ONLY (fault injection): the update of this step comes out non-finite (its new
+    # parameters times NaN), to exercise the non-finite policy end to end. -1: off.
+    t.fault_nonfinite_step = -1
 
     mesh = c.mesh = ml_collections.ConfigDict()
     mesh.data = -1  # -1: all devices not used by the other axes
@@ -138,47 +154,300 @@ def default_config() -> ml_collections.ConfigDict:
     # A workdir or step directory to take the parameters from (fine-tuning; optimizer, step and
     # data start fresh). Used only while this workdir has no checkpoint of its own.
     ck.init_params_from = ""
+    # Comma-separated config keys that may differ from the checkpoint's on purpose, e.g.
+    # "train.num_steps" to extend a finished run (the schedule's tail then changes).
+    ck.allow_changes = ""
 
     c.data = default_data_config()
     return c
 
 
-def _key_paths(tree: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
+def key_paths(tree: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
+    """{'train.num_steps': 200, ...}: every leaf of a config by its dotted path."""
     paths = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if isinstance(value, ml_collections.ConfigDict):
-            paths.update(_key_paths(value, path + "."))
+            paths.update(key_paths(value, path + "."))
         else:
             paths[path] = value
     return paths
 
 
+ASSIGNMENT = re.compile(r"^\s*(\w+)\.(\w+) = [^#]*?(?:#\s*(.*))?$")
+COMMENT = re.compile(r"^\s*#\s*(.*)$")
+
+
+def _source_docs(function: object, sections: dict[str, str]) -> dict[str, str]:
+    """{'train.num_steps': 'its comment'} from the `x.key = value  # comment` lines (or the
+    comment lines just above) of a config function; `sections` maps variable -> key prefix."""
+    docs, above = {}, []
+    for line in inspect.getsource(function).splitlines():
+        if comment := COMMENT.match(line):
+            above.append(comment.group(1))
+        elif (assign := ASSIGNMENT.match(line)) and assign.group(1) in sections:
+            if doc := assign.group(3) or " ".join(above):
+                docs[sections[assign.group(1)] + assign.group(2)] = doc
+            above = []
+        else:
+            above = []
+    return docs
+
+
+# Docs of the keys whose assignment above carries no comment (shown by --show_config).
+KEY_DOCS = {
+    "name": "run name (logs only)",
+    "seed": "initialisation and data-order seed",
+    "model.depth": "transformer blocks",
+    "model.aspect_ratio": "width per layer: model_dim = depth * aspect_ratio (rounded up)",
+    "model.head_dim": "attention head width",
+    "model.vocab_size": "tokenizer vocabulary (must match the tokenizer)",
+    "model.pad_vocab_to": "embedding rows padded to a multiple of this",
+    "model.seq_len": "tokens per training row",
+    "model.window_pattern": "per-layer attention windows, S(hort)/L(ong), repeated",
+    "model.rope_base": "rotary embedding base",
+    "model.qk_scale": "scale of the normalised q.k logits",
+    "model.mlp_ratio": "MLP hidden width / model width",
+    "model.smear_channels": "channels of the smear gate's input",
+    "model.logit_softcap": "logits = cap * tanh(logits / cap)",
+    "model.param_dtype": "parameter and optimizer-state dtype",
+    "model.value_path.source": "what feeds the target layers' values (see model/values.py)",
+    "model.value_path.combine": "how the source meets c_v(x): replace, add, gated_add",
+    "model.value_path.scale": "coefficients: none, fixed (fixed_coeff) or learned",
+    "model.value_path.layers": "which layers are targets (last_third, every_other, ...)",
+    "model.value_path.bank_shared": "one bank for every target layer",
+    "model.value_path.bank_init": "bank init: aligned or uniform",
+    "model.value_path.fixed_coeff": "the constant of scale=fixed",
+    "optim.embedding_lr": "AdamW lr of wte (and, x value_table_lr_mult, of the banks)",
+    "optim.unembedding_lr": "AdamW lr of lm_head",
+    "optim.matrix_lr": "Muon lr of the blocks' 2-D kernels",
+    "optim.scalar_lr": "AdamW lr of the beta/gamma coefficients (alpha: x alpha_lr_mult)",
+    "optim.smear_lr": "AdamW lr of the smear gate and lambda",
+    "optim.value_table_lr_mult": "bank lr = embedding_lr x this",
+    "optim.alpha_lr_mult": "alpha lr = scalar_lr x this",
+    "optim.weight_decay": "Muon's cautious weight decay",
+    "optim.adam_eps": "AdamW epsilon",
+    "optim.embedding_betas": "AdamW (beta1, beta2) of wte",
+    "optim.unembedding_betas": "AdamW (beta1, beta2) of lm_head",
+    "optim.value_table_betas": "AdamW (beta1, beta2) of the banks",
+    "optim.smear_betas": "AdamW (beta1, beta2) of the smear",
+    "optim.alpha_betas": "AdamW (beta1, beta2) of alpha",
+    "optim.beta_betas": "AdamW (beta1, beta2) of beta/gamma",
+    "optim.embedding_wd": "AdamW weight decay of wte",
+    "optim.unembedding_wd": "AdamW weight decay of lm_head",
+    "optim.value_table_wd": "AdamW weight decay of the banks",
+    "optim.alpha_wd": "AdamW weight decay of alpha",
+    "optim.muon_ns_steps": "Polar Express iterations",
+    "optim.muon_beta2": "NorMuon second-moment EMA",
+    "optim.muon_momentum_start": "Muon momentum at step 0",
+    "optim.muon_momentum": "Muon momentum after the warmup",
+    "optim.muon_momentum_end": "Muon momentum at the end of the warmdown",
+    "optim.muon_momentum_warmup_steps": "steps from momentum_start to momentum",
+    "optim.warmup_steps": "linear lr warmup steps",
+    "optim.warmdown_ratio": "fraction of the run with the lr decaying to final_lr_frac",
+    "optim.final_lr_frac": "lr multiplier at the last step",
+    "optim.reference_d_model": "width the lrs are tuned for (lr x (d / this)^-0.5)",
+    "optim.reference_batch_tokens": "batch the lrs are tuned for (lr x sqrt(B / this))",
+    "train.target_flops": "horizon in FLOPs (-1: unset)",
+    "train.target_tokens": "horizon in tokens (-1: unset)",
+    "train.target_param_data_ratio": "horizon as tokens per scaling parameter",
+    "train.device_batch_size": "rows per device per micro-batch (accumulation fills the rest)",
+    "train.log_every": "steps between log lines",
+    "train.eval_every": "steps between val BPB evaluations",
+    "train.eval_tokens": "val tokens per evaluation",
+    "train.sample_every": "steps between greedy samples in the log",
+    "train.sample_tokens": "tokens per sample",
+    "train.skip_nonfinite": "redraw a batch whose step is non-finite instead of stopping",
+    "train.profile_start_step": "first step of a jax.profiler trace (-1: off)",
+    "train.profile_num_steps": "steps traced",
+    "train.dump_hlo": "write the compiled step's HLO to the workdir",
+    "mesh.fsdp": "devices the parameters are sharded over (-1: the rest)",
+    "mesh.tensor": "devices of tensor parallelism (-1: the rest)",
+    "checkpoint.keep": "newest checkpoints kept",
+    "checkpoint.async_save": "save in the background while training goes on",
+}
+
+
+def describe_keys() -> list[tuple[str, object, str]]:
+    """(key, default, one-line doc) of every config key, from the comments in this file and
+    in bov_jax/data/config.py."""
+    sections = dict(c="", m="model.", o="optim.", t="train.", mesh="mesh.", ck="checkpoint.")
+    docs = (
+        KEY_DOCS
+        | _source_docs(default_config, sections)
+        | _source_docs(default_data_config, {"c": "data."})
+    )
+    return [(key, value, docs.get(key, "")) for key, value in key_paths(default_config()).items()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The allowed values of a numeric key: `low` <= value (< `low` if `open_low`),
+    value <= `high` (< `high` if `open_high`), or the documented `sentinel`."""
+
+    low: float
+    high: float = math.inf
+    open_low: bool = False
+    open_high: bool = False
+    sentinel: float | None = None
+    sentinel_meaning: str = ""
+    integer: bool = True
+
+    def accepts(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.sentinel is not None and value == self.sentinel:
+            return True
+        if self.integer and not isinstance(value, int):
+            return False
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below  # False for NaN
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        low = f"{'>' if self.open_low else '>='} {self.low:g}"
+        high = (
+            "" if self.high == math.inf else f" and {'<' if self.open_high else '<='} {self.high:g}"
+        )
+        text = f"{kind} {low}{high}"
+        if self.sentinel is not None:
+            text = f"{self.sentinel:g} ({self.sentinel_meaning}) or {text}"
+        return text
+
+
+POSITIVE = Range(1)
+NON_NEGATIVE = Range(0)
+POSITIVE_REAL = Range(0, open_low=True, integer=False)
+NON_NEGATIVE_REAL = Range(0, integer=False)
+FRACTION = Range(0, 1, integer=False)
+BETA = Range(0, 1, open_high=True, integer=False)
+DERIVED = "derived from the other keys"
+
+# Every numeric key outside config.data (validated by bov_jax.data.config). A sentinel is the
+# one out-of-range value with a documented meaning; any other out-of-range value is refused.
+RANGES: dict[str, Range] = {
+    "seed": NON_NEGATIVE,
+    "model.depth": POSITIVE,
+    "model.aspect_ratio": POSITIVE,
+    "model.head_dim": POSITIVE,
+    "model.model_dim": Range(1, sentinel=0, sentinel_meaning="derive from depth"),
+    "model.vocab_size": POSITIVE,
+    "model.pad_vocab_to": POSITIVE,
+    "model.seq_len": POSITIVE,
+    "model.short_window": Range(1, sentinel=0, sentinel_meaning=DERIVED),
+    "model.rope_base": POSITIVE_REAL,
+    "model.qk_scale": POSITIVE_REAL,
+    "model.mlp_ratio": POSITIVE,
+    "model.smear_channels": POSITIVE,
+    "model.logit_softcap": POSITIVE_REAL,
+    "model.value_path.fixed_coeff": Range(-math.inf, integer=False),
+    "optim.embedding_lr": NON_NEGATIVE_REAL,
+    "optim.unembedding_lr": NON_NEGATIVE_REAL,
+    "optim.matrix_lr": NON_NEGATIVE_REAL,
+    "optim.scalar_lr": NON_NEGATIVE_REAL,
+    "optim.smear_lr": NON_NEGATIVE_REAL,
+    "optim.value_table_lr_mult": NON_NEGATIVE_REAL,
+    "optim.alpha_lr_mult": NON_NEGATIVE_REAL,
+    "optim.weight_decay": NON_NEGATIVE_REAL,
+    "optim.adam_eps": POSITIVE_REAL,
+    "optim.embedding_wd": NON_NEGATIVE_REAL,
+    "optim.unembedding_wd": NON_NEGATIVE_REAL,
+    "optim.value_table_wd": NON_NEGATIVE_REAL,
+    "optim.alpha_wd": NON_NEGATIVE_REAL,
+    "optim.muon_ns_steps": POSITIVE,
+    "optim.muon_beta2": BETA,
+    "optim.muon_momentum_start": BETA,
+    "optim.muon_momentum": BETA,
+    "optim.muon_momentum_end": BETA,
+    "optim.muon_momentum_warmup_steps": NON_NEGATIVE,
+    "optim.warmup_steps": NON_NEGATIVE,
+    "optim.warmdown_ratio": FRACTION,
+    "optim.final_lr_frac": NON_NEGATIVE_REAL,
+    "optim.reference_d_model": POSITIVE,
+    "optim.reference_batch_tokens": POSITIVE,
+    "train.num_steps": Range(1, sentinel=-1, sentinel_meaning="derive from the targets"),
+    "train.target_flops": Range(
+        0, open_low=True, integer=False, sentinel=-1, sentinel_meaning="unset"
+    ),
+    "train.target_tokens": Range(1, sentinel=-1, sentinel_meaning="unset"),
+    "train.target_param_data_ratio": POSITIVE_REAL,
+    "train.total_batch_tokens": Range(1, sentinel=-1, sentinel_meaning="the auto batch rule"),
+    "train.device_batch_size": POSITIVE,
+    "train.stop_after_steps": Range(1, sentinel=-1, sentinel_meaning="off"),
+    "train.data_streams": Range(1, sentinel=0, sentinel_meaning="one per process"),
+    "train.log_every": POSITIVE,
+    "train.eval_every": POSITIVE,
+    "train.eval_tokens": POSITIVE,
+    "train.sample_every": POSITIVE,
+    "train.sample_tokens": POSITIVE,
+    "train.profile_start_step": Range(0, sentinel=-1, sentinel_meaning="off"),
+    "train.profile_num_steps": NON_NEGATIVE,
+    "train.fault_nonfinite_step": Range(0, sentinel=-1, sentinel_meaning="off"),
+    "mesh.data": Range(1, sentinel=-1, sentinel_meaning="all remaining devices"),
+    "mesh.fsdp": Range(1, sentinel=-1, sentinel_meaning="all remaining devices"),
+    "mesh.tensor": Range(1, sentinel=-1, sentinel_meaning="all remaining devices"),
+    "checkpoint.save_every": Range(1, sentinel=0, sentinel_meaning="only at the end"),
+    "checkpoint.keep": POSITIVE,
+}
+BETA_PAIRS = tuple(
+    f"optim.{name}_betas"
+    for name in ("embedding", "unembedding", "value_table", "smear", "alpha", "beta")
+)
+
+
+@contextlib.contextmanager
+def config_errors() -> Iterator[None]:
+    """Re-raise the ValueErrors of code that resolves config values as ConfigErrors."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def check_keys(given: dict[str, object], known: dict[str, object]) -> None:
+    """Raise ConfigError for unknown keys (with the closest known key) or missing ones."""
+    parts = []
+    for key in sorted(set(given) - set(known)):
+        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+        parts.append(
+            f"unknown config key {key}" + (f" (did you mean {close[0]}?)" if close else "")
+        )
+    missing = sorted(set(known) - set(given))
+    if missing:
+        parts.append(f"missing config keys: {', '.join(missing)}")
+    if parts:
+        raise ConfigError("; ".join(parts))
+
+
+def check_ranges(given: dict[str, object]) -> None:
+    """Raise ConfigError naming the first numeric key outside its range (NaN included)."""
+    for key, allowed in RANGES.items():
+        if not allowed.accepts(given[key]):
+            raise ConfigError(f"{key}={given[key]!r}; expected {allowed.describe()}")
+    for key in BETA_PAIRS:
+        value = given[key]
+        if len(value) != 2 or not all(BETA.accepts(b) for b in value):
+            raise ConfigError(f"{key}={value!r}; expected two numbers in [0, 1)")
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Check a config against the schema before anything is compiled.
 
-    Raises ValueError naming every unknown or missing key, and any key whose value is
+    Raises ConfigError naming every unknown or missing key, and any key whose value is
     out of range (the model keys through ModelSpec, the horizon through the plan).
     """
     from bov_jax.accounting import training_plan
 
-    given, known = _key_paths(config), _key_paths(default_config())
-    unknown = sorted(set(given) - set(known))
-    missing = sorted(set(known) - set(given))
-    if unknown or missing:
-        parts = []
-        if unknown:
-            parts.append(f"unknown config keys: {', '.join(unknown)}")
-        if missing:
-            parts.append(f"missing config keys: {', '.join(missing)}")
-        raise ValueError("; ".join(parts))
-    t = config.train
-    for key in ("device_batch_size", "log_every", "eval_every", "sample_every"):
-        if t[key] <= 0:
-            raise ValueError(f"train.{key}={t[key]}; expected a positive integer")
-    for key in ("data", "fsdp", "tensor"):
-        if config.mesh[key] == 0 or config.mesh[key] < -1:
-            raise ValueError(f"mesh.{key}={config.mesh[key]}; expected -1 (fill) or >= 1")
-    if config.checkpoint.keep < 1:
-        raise ValueError(f"checkpoint.keep={config.checkpoint.keep}; expected >= 1")
-    training_plan(config)  # resolves the model spec, horizon and batch size
+    given = key_paths(config)
+    check_keys(given, key_paths(default_config()))
+    check_ranges(given)
+    for key in config.checkpoint.allow_changes.split(","):
+        if key.strip() and key.strip() not in given:
+            close = difflib.get_close_matches(key.strip(), list(given), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"checkpoint.allow_changes names an unknown key {key.strip()}{hint}")
+    with config_errors():
+        training_plan(config)  # resolves the model spec, horizon and batch size

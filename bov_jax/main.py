@@ -1,27 +1,42 @@
 """Entry point: python -m bov_jax.main --config=configs/d24_bov.py --workdir=DIR
 
-Overrides use ml_collections' flag syntax (--config.train.num_steps=50). Running again with the
-same workdir resumes from its latest checkpoint. On a TPU pod, a SLURM allocation, or with
-explicit --coordinator_address/--num_processes/--process_id, jax.distributed is initialised
-first; each process then reads its own data streams, process 0 alone writes the logs, metrics
-and config, and every process writes its shards of each checkpoint. See docs/launch.md.
+Overrides use ml_collections' flag syntax (--config.train.num_steps=50); `--show_config`
+lists every key with its default and meaning. A config file may take a preset after a colon
+(--config=configs/ablations.py:d12_bank; `python -m bov_jax.presets` lists them). Running
+again with the same workdir resumes from its latest checkpoint. On a TPU pod, a SLURM
+allocation, or with explicit --coordinator_address/--num_processes/--process_id,
+jax.distributed is initialised first; each process then reads its own data streams, process
+0 alone writes the logs, metrics and config, and every process writes its shards of each
+checkpoint. See docs/launch.md.
 
 Exit status: 0 when the run reached its horizon, `train.stop_after_steps` or a SIGTERM/SIGINT
 (with a checkpoint); 1 with a one-line reason for a non-finite step, a checkpoint of another
-experiment or a damaged checkpoint.
+experiment or other data, a damaged checkpoint or a failed save; 2 for a bad flag, config key
+or value, input file or an unwritable workdir (see bov_jax/cli.py; --debug shows tracebacks).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+from bov_jax import cli
+
+config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "Experiment config file, optionally with a preset: configs/quickstart.py or "
+    "configs/ablations.py:<preset>. Override keys with --config.<key>=<value>; "
+    "--show_config lists them.",
+    lock_config=True,
+)
 flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints.")
+flags.DEFINE_bool(
+    "show_config", False, "Print every config key with its default and meaning, then exit."
+)
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process).")
 flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
@@ -30,7 +45,6 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer("local_device_count", None, "CPU only: devices per process.")
 flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for all processes.")
-flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
 log = logging.getLogger("bov_jax")
@@ -59,8 +73,15 @@ def initialize_distributed() -> None:
             raise
 
 
+def drop_library_tracebacks(record: logging.LogRecord) -> bool:
+    """Drop library log records (Orbax's, through absl) that carry a traceback: the failure
+    they log reaches us as an exception, which cli.run reports in one line."""
+    return record.exc_info is None
+
+
 def configure_logging() -> None:
-    """Our lines at INFO on process 0 (WARNING elsewhere); library chatter from WARNING up."""
+    """Our lines at INFO on process 0 (WARNING elsewhere); library chatter from WARNING up,
+    without tracebacks unless --debug."""
     count, index = jax.process_count(), jax.process_index()
     prefix = f"[process {index}/{count}] " if count > 1 else ""
     logging.basicConfig(
@@ -69,22 +90,33 @@ def configure_logging() -> None:
         force=True,
     )
     log.setLevel(logging.INFO if index == 0 else logging.WARNING)
+    if not cli.debug_enabled():
+        logging.getLogger("absl").addFilter(drop_library_tracebacks)
+
+
+def show_config() -> None:
+    """Every key of the schema: `key = default  # meaning` (the comments of bov_jax/config.py)."""
+    from bov_jax.config import describe_keys
+
+    for key, default, doc in describe_keys():
+        print(f"{key} = {default!r}" + (f"  # {doc}" if doc else ""))
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.show_config:
+        show_config()
+        return
+    for name in ("config", "workdir"):
+        if not FLAGS[name].present:
+            raise app.UsageError(f"--{name} is required (--help explains the flags)")
     initialize_distributed()
     configure_logging()
-    from bov_jax.train.checkpoint import CheckpointError, ConfigMismatchError
-    from bov_jax.train.loop import NonFiniteLossError, run
+    from bov_jax.train.loop import run
 
-    try:
-        run(FLAGS.config, FLAGS.workdir)
-    except (NonFiniteLossError, ConfigMismatchError, CheckpointError) as err:
-        log.error("%s: %s", type(err).__name__, err)
-        sys.exit(1)
+    run(FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -14,6 +14,7 @@ import dataclasses
 
 import ml_collections
 
+from bov_jax import cli
 from bov_jax.config import default_config
 from bov_jax.model.values import ValuePathSpec
 
@@ -209,10 +210,11 @@ def main() -> None:
     for name, p in PRESETS.items():
         print(f"{name:{width}}  {p.paper:52}  {p.budget.describe():15}  {p.reference}")
     print(
-        "\nRun one: python -m bov_jax.main --config=configs/ablations.py:<preset> --workdir=DIR"
-        "\n(d12, d12_bov, d24, d24_bov also have their own file: --config=configs/d24_bov.py)."
+        "\nRun one with: python -m bov_jax.main --config=configs/ablations.py:<preset> "
+        "--workdir=runs/<preset> (the d12/d24 headline presets also have configs/<preset>.py; "
+        "configs/quickstart.py:<preset> gives a preset's value path on the small CPU model)."
     )
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

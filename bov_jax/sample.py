@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Protocol
 
+from bov_jax import cli
 from bov_jax.model.decode import generate
 from bov_jax.model.gpt import GPT
 
@@ -73,11 +74,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """CLI: load a workdir's latest checkpoint and print prompt + completion."""
     parser = argparse.ArgumentParser(prog="python -m bov_jax.sample", description=__doc__)
     parser.add_argument("--workdir", required=True, help="training workdir with a checkpoint")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top_k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top_k", type=int, default=None, help="sample from the k likeliest")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
     args = parser.parse_args(argv)
     from bov_jax.evals.loading import load_model_and_tokenizer
@@ -90,4 +91,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

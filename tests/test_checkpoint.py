@@ -235,7 +235,9 @@ def poison_call(bad_calls: set[int]):
 
 def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(loop, "make_train_step", poison_call({3}))
-    with pytest.raises(loop.NonFiniteLossError, match="at step 3 .*latest checkpoint \\(step 2"):
+    with pytest.raises(
+        loop.NonFiniteLossError, match="at step 3 .*checkpoints/2, where a rerun continues"
+    ):
         loop.run(tiny_config(), tmp_path)
     assert checkpoint_steps(tmp_path) == [2]
     verify_manifest(tmp_path / "checkpoints" / "2", 2)
@@ -244,7 +246,9 @@ def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tm
     monkeypatch.setattr(loop, "make_train_step", poison_call({0}))
     with caplog.at_level(logging.WARNING, logger="bov_jax"):
         final = loop.run(tiny_config(skip_nonfinite=True), tmp_path)
-    assert "non-finite loss or gradient at step 2" in caplog.text and "skipped" in caplog.text
+    assert (
+        "non-finite loss, gradient or update at step 2" in caplog.text and "skipped" in caplog.text
+    )
     assert final["step"] == STEPS
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(STEPS + 1))

@@ -93,7 +93,9 @@ def test_unknown_config_key_fails_naming_it():
     config = train_config()
     with config.unlocked():
         config.train.num_stepz = 3
-    with pytest.raises(ValueError, match="unknown config keys: train.num_stepz"):
+    with pytest.raises(
+        ValueError, match=r"unknown config key train.num_stepz \(did you mean train.num_steps\?\)"
+    ):
         validate_config(config)
 
 

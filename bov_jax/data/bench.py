@@ -1,6 +1,6 @@
 """Data benchmark: tokens/s the pipeline produces on this host.
 
-    python -m bov_jax.data.bench [--seq-len 512] [--batch-size 32] [--seconds 10] [--workers 2]
+    python -m bov_jax.data.bench [--seq_len 512] [--batch_size 32] [--seconds 10] [--workers 2]
 
 Prints tokens/s for the configured data (default: the embedded corpus, token cache on) with
 and without worker processes, and for on-the-fly sentencepiece encoding (`use_cache=False`).
@@ -12,6 +12,7 @@ import time
 
 import ml_collections
 
+from bov_jax import cli
 from bov_jax.data.config import default_data_config
 from bov_jax.data.packing import packing_stats
 from bov_jax.data.pipeline import make_batch_iterator
@@ -48,11 +49,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data-dir", help="default: the embedded corpus")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--data_dir", "--data-dir", help="default: the embedded corpus")
+    parser.add_argument("--seq_len", "--seq-len", type=int, default=512, help="tokens per row")
+    parser.add_argument("--batch_size", "--batch-size", type=int, default=32, help="rows per batch")
+    parser.add_argument("--seconds", type=float, default=10.0, help="reading time per measurement")
+    parser.add_argument("--workers", type=int, default=2, help="grain worker processes")
     args = parser.parse_args()
     cfg = default_data_config()
     if args.data_dir:
@@ -77,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

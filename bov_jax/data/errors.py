@@ -1,5 +1,7 @@
 """The one exception type of the data layer."""
 
+from bov_jax.cli import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A data input is unusable. The message names the file or config key and the problem."""

@@ -1,6 +1,6 @@
 """Pre-tokenized cache of a shard directory: a TFDS builder writing ArrayRecord, read by grain.
 
-    python -m bov_jax.data.token_cache --data-dir DIR [--tokenizer-dir T] [--cache-dir C]
+    python -m bov_jax.data.token_cache --data_dir DIR [--tokenizer_dir T] [--cache_dir C]
 
 One record per document, in split order (file, row group, row): `tokens` holds the document's
 ids with BOS first, or nothing when the document was skipped as bad. TFDS builds it offline and
@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import tensorflow_datasets as tfds
 
+from bov_jax import cli
 from bov_jax.data import shards
 from bov_jax.data.config import default_data_config, tokenizer_path
 from bov_jax.data.documents import Unit, finish_documents
@@ -158,10 +159,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data-dir", type=Path, required=True)
-    parser.add_argument("--tokenizer-dir", type=Path, help="default: DATA_DIR/tokenizer")
-    parser.add_argument("--cache-dir", type=Path, help="default: DATA_DIR/token_cache")
-    parser.add_argument("--skip-bad-documents", action="store_true")
+    parser.add_argument(
+        "--data_dir", "--data-dir", type=Path, required=True, help="shard directory"
+    )
+    parser.add_argument(
+        "--tokenizer_dir", "--tokenizer-dir", type=Path, help="default: DATA_DIR/tokenizer"
+    )
+    parser.add_argument(
+        "--cache_dir", "--cache-dir", type=Path, help="default: DATA_DIR/token_cache"
+    )
+    parser.add_argument(
+        "--skip_bad_documents",
+        "--skip-bad-documents",
+        action="store_true",
+        help="skip and count non-UTF-8 documents instead of stopping",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     data_cfg = default_data_config()
@@ -174,4 +186,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

@@ -1,6 +1,6 @@
 """SentencePiece BPE tokenizer: training on a corpus's train shards, loading, token_bytes.
 
-    python -m bov_jax.data.tokenizer train --data-dir DIR --vocab-size 8192 [--out DIR/tokenizer]
+    python -m bov_jax.data.tokenizer train --data_dir DIR --vocab_size 8192 [--out DIR/tokenizer]
 
 Layout of the vocabulary: id 0 is `<|bos|>`, ids 1-8 the other reference specials (spec 6.1,
 in the reference's order), id 9 `<unk>`, ids 10-265 the 256 byte-fallback pieces, then the
@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import sentencepiece as spm
 
+from bov_jax import cli
 from bov_jax.data import shards
 from bov_jax.data.errors import DataError
 
@@ -112,7 +113,7 @@ def load_tokenizer(
     if not file.is_file():
         raise DataError(
             f"tokenizer {file} does not exist (config key data.tokenizer_dir); train one with "
-            "`python -m bov_jax.data.tokenizer train --data-dir DIR --vocab-size N`"
+            "`python -m bov_jax.data.tokenizer train --data_dir DIR --vocab_size N`"
         )
     try:
         tokenizer = Tokenizer(file.read_bytes(), str(file), num_threads)
@@ -217,11 +218,19 @@ def main() -> None:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a BPE tokenizer on a corpus's train shards")
-    train.add_argument("--data-dir", type=Path, required=True)
-    train.add_argument("--vocab-size", type=int, required=True)
-    train.add_argument("--out", type=Path, help="default: DATA_DIR/tokenizer")
-    train.add_argument("--input-sentence-size", type=int, default=300_000)
-    train.add_argument("--threads", type=int, default=2)
+    train.add_argument("--data_dir", "--data-dir", type=Path, required=True, help="shard directory")
+    train.add_argument(
+        "--vocab_size", "--vocab-size", type=int, required=True, help="vocabulary size"
+    )
+    train.add_argument("--out", type=Path, help="output directory (default: DATA_DIR/tokenizer)")
+    train.add_argument(
+        "--input_sentence_size",
+        "--input-sentence-size",
+        type=int,
+        default=300_000,
+        help="sentences sampled for training",
+    )
+    train.add_argument("--threads", type=int, default=2, help="training threads")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     train_tokenizer(
@@ -234,4 +243,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

@@ -18,6 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from bov_jax import cli
+
 
 def bpb_sums(
     per_token_nats: jax.Array, targets: jax.Array, token_bytes: jax.Array
@@ -63,8 +65,14 @@ def evaluate_workdir(workdir: str, eval_tokens: int, batch_rows: int) -> dict:
         per_token = cross_entropy(nnx.merge(graphdef, p)(inputs), targets, reduction="none")
         return bpb_sums(per_token, targets, token_bytes)
 
-    batches = make_batch_iterator(config.data, split="val", seq_len=seq_len, batch_size=batch_rows,
-                                  seed=config.seed, tokenizer=tokenizer)
+    batches = make_batch_iterator(
+        config.data,
+        split="val",
+        seq_len=seq_len,
+        batch_size=batch_rows,
+        seed=config.seed,
+        tokenizer=tokenizer,
+    )
     token_bytes = jnp.asarray(tokenizer.token_bytes())
     steps = max(1, eval_tokens // (batch_rows * seq_len))
     nats = nbytes = 0.0
@@ -80,12 +88,14 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     parser = argparse.ArgumentParser(description="Val bits per byte of a workdir's checkpoint.")
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--eval_tokens", type=int, default=80 * 2**19)
-    parser.add_argument("--batch_rows", type=int, default=8)
+    parser.add_argument("--workdir", required=True, help="training workdir with a checkpoint")
+    parser.add_argument(
+        "--eval_tokens", type=int, default=80 * 2**19, help="validation tokens to score"
+    )
+    parser.add_argument("--batch_rows", type=int, default=8, help="rows per forward pass")
     args = parser.parse_args(argv)
     print(json.dumps(evaluate_workdir(args.workdir, args.eval_tokens, args.batch_rows)))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

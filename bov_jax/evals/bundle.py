@@ -27,6 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from bov_jax import cli
 from bov_jax.corpora.archives import file_sha256
 from bov_jax.evals.converters import MISSING_TASKS, SOURCES, Row
 from bov_jax.evals.core import CORE_TASKS, DEFAULT_BUNDLE_DIR, TASKS_BY_LABEL
@@ -251,4 +252,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

@@ -36,6 +36,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from bov_jax import cli
+
 logger = logging.getLogger(__name__)
 
 TaskType = Literal["multiple_choice", "schema", "language_modeling"]
@@ -445,10 +447,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     """CLI: evaluate a checkpoint on every available CORE task and print the table."""
     parser = argparse.ArgumentParser(prog="python -m bov_jax.evals.core", description=__doc__)
     parser.add_argument("--workdir", required=True, help="training workdir with the checkpoint")
-    parser.add_argument("--bundle-dir", default=str(DEFAULT_BUNDLE_DIR))
-    parser.add_argument("--max-per-task", type=int, default=-1, help="examples per task (-1: all)")
+    parser.add_argument(
+        "--bundle_dir", "--bundle-dir", default=str(DEFAULT_BUNDLE_DIR), help="eval bundle"
+    )
+    parser.add_argument(
+        "--max_per_task",
+        "--max-per-task",
+        type=int,
+        default=-1,
+        help="examples per task (-1: all)",
+    )
     parser.add_argument("--tasks", default="", help="comma-separated task labels (default: all)")
-    parser.add_argument("--pad-multiple", type=int, default=DEFAULT_PAD_MULTIPLE)
+    parser.add_argument(
+        "--pad_multiple",
+        "--pad-multiple",
+        type=int,
+        default=DEFAULT_PAD_MULTIPLE,
+        help="pad sequence lengths to a multiple of this (fewer compilations)",
+    )
     parser.add_argument("--output", default="", help="also write the results as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # quiet orbax / absl
@@ -471,4 +487,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

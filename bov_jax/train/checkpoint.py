@@ -14,9 +14,16 @@ once every process has finished and process 0 has written the manifest into it, 
 that dies half-way never replaces the last good checkpoint (the leftover temporary directory
 is not a step, and the next save of that step replaces it). The newest `keep` are kept.
 
+Saving refuses a state with a non-finite value (the step already keeps such a state out; this
+is the last line of defence). A save that fails in the background (a full disk) surfaces at
+the next `check_saves`, `save` or `wait` as CheckpointSaveError; the steps saved before stay.
+
 Restoring checks the manifest first: a missing, truncated or corrupted file raises
 CheckpointError naming the step and the file. `restore_latest(..., fallback=True)` then moves
-that step aside (`<step>.corrupt-<time>`) and resumes from the one before.
+that step aside (`<step>.corrupt-<time>`) and resumes from the one before; nothing else moves a
+checkpoint. The data the checkpoint was trained on is compared by content (the config's
+`data_files` fingerprints, see bov_jax/data/identity.py): changed files raise DataChangedError
+naming them, and data iterator positions that do not fit the data raise DataStateError.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 import zlib
 from pathlib import Path
@@ -35,7 +43,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bov_jax.train.state import TrainState
+from bov_jax.cli import UserError
+from bov_jax.data.identity import changed_files
+from bov_jax.train.state import TrainState, all_finite
 
 log = logging.getLogger("bov_jax")
 
@@ -48,6 +58,7 @@ UNCHECKED = {MANIFEST, "_CHECKPOINT_METADATA"}
 # frequencies and budgets of logging, evaluation, sampling and saving, the device layout
 # (mesh, micro-batch size: the same batch is accumulated differently) and the data loader's
 # parallelism.
+DATA_FILES = "data_files"  # the config entry holding the data's fingerprint
 HARMLESS_PREFIXES = (
     "name",
     "train.log_every",
@@ -60,9 +71,14 @@ HARMLESS_PREFIXES = (
     "train.profile_",
     "train.dump_hlo",
     "train.skip_nonfinite",
+    "train.fault_nonfinite_step",
     "mesh.",
     "model.attention_impl",
     "checkpoint.",
+    "data.data_dir",  # where the data lies: its content is compared through DATA_FILES
+    "data.tokenizer_dir",
+    "data.cache_dir",
+    DATA_FILES,
     "data.num_workers",
     "data.read_threads",
     "data.encode_threads",
@@ -70,12 +86,34 @@ HARMLESS_PREFIXES = (
 )
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(UserError, ValueError):
     """The workdir's checkpoint belongs to another experiment."""
 
+    exit_status = 1
 
-class CheckpointError(RuntimeError):
+
+class DataChangedError(UserError, ValueError):
+    """The data differs from the checkpoint's (by content); names the files."""
+
+    exit_status = 1
+
+
+class DataStateError(UserError, ValueError):
+    """The checkpoint's data iterator positions do not fit the data as it is now."""
+
+    exit_status = 1
+
+
+class CheckpointSaveError(UserError, RuntimeError):
+    """A save failed (in the background or at once); the steps saved before are intact."""
+
+    exit_status = 1
+
+
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be restored: names the step and the file (or directory)."""
+
+    exit_status = 1
 
     def __init__(self, step: int, path: Path | str, reason: str):
         super().__init__(f"checkpoint at step {step}: {path}: {reason}")
@@ -101,6 +139,21 @@ def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Config equality with NaN equal to NaN (also inside lists)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(same_value, a, b))
+    return a == b
+
+
+def allowed_changes(config: dict) -> set[str]:
+    """The keys of `checkpoint.allow_changes` (comma-separated)."""
+    text = config.get("checkpoint", {}).get("allow_changes", "")
+    return {key.strip() for key in text.split(",") if key.strip()}
+
+
 def experiment_differences(saved: dict, current: dict) -> list[str]:
     """Config keys whose change alters the experiment, as 'key: saved -> current'."""
     a, b = flatten_config(saved), flatten_config(current)
@@ -108,7 +161,7 @@ def experiment_differences(saved: dict, current: dict) -> list[str]:
     return [
         f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
         for k in keys
-        if a.get(k) != b.get(k) and not k.startswith(HARMLESS_PREFIXES)
+        if not same_value(a.get(k), b.get(k)) and not k.startswith(HARMLESS_PREFIXES)
     ]
 
 
@@ -140,9 +193,18 @@ class DataStreamsHandler(ocp.CheckpointHandler):
         for index, iterator in args.streams.iterators.items():
             path = directory / stream_file(index, args.streams.count)
             try:
-                iterator.set_state(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError) as err:
+                saved = json.loads(path.read_text())
+            except (OSError, ValueError) as err:
                 raise CheckpointFileError(path, f"data stream state unreadable: {err}") from err
+            try:
+                iterator.set_state(saved)
+            except (ValueError, KeyError, TypeError, IndexError) as err:
+                raise DataStateError(
+                    f"{path}: the saved data position does not fit the data now ({err}); the "
+                    "shards changed since this checkpoint. Put the original shards back, or "
+                    "start a new workdir with --config.checkpoint.init_params_from="
+                    f"{Path(str(directory)).parent}"
+                ) from err
         return args.streams
 
     def metadata(self, directory: epath.Path) -> None:
@@ -256,19 +318,40 @@ class Checkpoints:
         write_manifest(tmp if tmp.is_dir() else self.step_dir(self._saving))
 
     def save(self, step: int, state: TrainState, streams: StreamSet, config: dict) -> None:
-        self.manager.wait_until_finished()  # one save at a time: the callback knows its step
+        """Save (asynchronously unless async_save=False); refuses a non-finite state."""
+        if not bool(all_finite(state)):
+            raise CheckpointSaveError(
+                f"refusing to save step {step}: the state holds non-finite values; "
+                f"the latest checkpoint ({self.latest_step()}) is kept"
+            )
+        self.wait()  # one save at a time: the callback knows its step
         self._saving = step
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=DataStreamsArgs(streams),
-                config=ocp.args.JsonSave(config),
-            ),
-            force=True,
-        )
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=DataStreamsArgs(streams),
+                    config=ocp.args.JsonSave(config),
+                ),
+                force=True,
+            )
+        except OSError as err:
+            raise self.save_error(step, err) from err
         if not self.async_save:
-            self.manager.wait_until_finished()
+            self.wait()
+
+    def save_error(self, step: int | None, err: BaseException) -> CheckpointSaveError:
+        kept = self.all_steps()
+        return CheckpointSaveError(
+            f"saving the checkpoint of step {step} in {self.directory} failed: {err}; "
+            f"the checkpoints saved before are intact (steps {kept or 'none'})"
+        )
+
+    def check_saves(self) -> None:
+        """Raise CheckpointSaveError if the last background save has failed (no waiting)."""
+        if self._saving is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def saved_config(self, step: int) -> dict:
         path = self.step_dir(step) / "config" / "metadata"
@@ -294,6 +377,8 @@ class Checkpoints:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except CheckpointFileError as err:
             raise CheckpointError(step, err.path, err.reason) from err
+        except DataStateError:
+            raise
         except Exception as err:  # orbax raises many types; name the step and directory
             raise CheckpointError(step, self.step_dir(step), str(err)) from err
         return restored.state
@@ -329,17 +414,60 @@ class Checkpoints:
         self, step: int, state: TrainState, streams: StreamSet, config: dict
     ) -> TrainState:
         verify_everywhere(self.step_dir(step), step)
-        differences = experiment_differences(self.saved_config(step), config)
-        if differences:
-            raise ConfigMismatchError(
-                f"{self.step_dir(step)} was written by a different experiment; differing "
-                "config keys:\n  " + "\n  ".join(differences) + "\nUse another workdir, or "
-                f"start one from these parameters only with "
-                f"--config.checkpoint.init_params_from={self.directory.parent}"
-            )
+        saved = self.saved_config(step)
+        self.check_experiment(step, saved, config)
+        self.check_data(step, saved, config)
         restored = self.restore(step, state, streams, verify=False)
         log.info("resumed from %s", self.step_dir(step))
         return restored
+
+    def check_experiment(self, step: int, saved: dict, config: dict) -> None:
+        """ConfigMismatchError listing the differing keys, except those of
+        `checkpoint.allow_changes`, which are accepted with a warning."""
+        saved_model = saved.get("model", {})
+        if saved_model.get("compute_dtype") == "auto":  # written before auto was recorded resolved
+            resolved = config["model"]["compute_dtype"]
+            log.warning(
+                "checkpoint %d recorded model.compute_dtype='auto' without what it resolved to; "
+                "assuming %r, as it resolves here",
+                step,
+                resolved,
+            )
+            saved = {**saved, "model": {**saved_model, "compute_dtype": resolved}}
+        allowed = allowed_changes(config)
+        differences = experiment_differences(saved, config)
+        accepted = [d for d in differences if d.split(":", 1)[0] in allowed]
+        refused = [d for d in differences if d not in accepted]
+        if refused:
+            raise ConfigMismatchError(
+                f"{self.step_dir(step)} was written by a different experiment; differing "
+                "config keys:\n  " + "\n  ".join(refused) + "\nUse another workdir, start one "
+                "from these parameters only with --config.checkpoint.init_params_from="
+                f"{self.directory.parent}, or accept listed keys on purpose with "
+                '--config.checkpoint.allow_changes="<key>,..."'
+            )
+        for difference in accepted:
+            log.warning(
+                "resuming step %d with a changed key (checkpoint.allow_changes): %s; the "
+                "learning-rate and momentum schedules follow the new values from here, so the "
+                "rest of the run differs from one planned this way from the start",
+                step,
+                difference,
+            )
+
+    def check_data(self, step: int, saved: dict, config: dict) -> None:
+        """DataChangedError naming the files whose content differs from the checkpoint's."""
+        if DATA_FILES not in saved or DATA_FILES not in config:
+            log.warning("checkpoint %d records no data fingerprint: data not compared", step)
+            return
+        changes = changed_files(saved[DATA_FILES], config[DATA_FILES])
+        if changes:
+            raise DataChangedError(
+                f"the data in {config['data']['data_dir']} is not the data of checkpoint "
+                f"{self.step_dir(step)}:\n  " + "\n  ".join(changes) + "\nPut the original "
+                "files back (or point --config.data.data_dir at them), or start a new workdir "
+                f"with --config.checkpoint.init_params_from={self.directory.parent}"
+            )
 
     def quarantine(self, step: int) -> None:
         """Move a bad step out of the manager's sight (kept for inspection)."""
@@ -352,10 +480,21 @@ class Checkpoints:
         self.manager.reload()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the save in flight; CheckpointSaveError if it failed."""
+        step = self._saving
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:  # orbax re-raises the background thread's error
+            raise self.save_error(step, err) from err
+        finally:
+            self._saving = None
 
     def close(self) -> None:
-        self.manager.close()
+        """Release the manager (a failed save was already reported by `wait`)."""
+        try:
+            self.manager.close()
+        except Exception as err:  # noqa: BLE001 -- the run already stops with its own error
+            log.debug("closing the checkpoint manager: %s", err)
 
 
 # ---------------------------------------------------------------------------------------------

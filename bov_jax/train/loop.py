@@ -9,9 +9,13 @@ the end, when `train.stop_after_steps` is reached and on SIGTERM/SIGINT.
 
 A resumed run is the same run: the checkpoint restores parameters, optimizer state, step, RNG
 and the position of every data stream, and metrics.jsonl is cut back to the restored step so
-that every step appears once. A step with a non-finite loss or gradient leaves the state
-unchanged; the run stops there without saving (the last good checkpoint stays the latest)
-unless `train.skip_nonfinite`, which draws the next batch instead.
+that every step appears once. A step with a non-finite loss, gradient or update leaves the
+state unchanged; the run stops there without saving (the last good checkpoint stays the
+latest) unless `train.skip_nonfinite`, which draws the next batch instead. A checkpoint save
+that fails in the background (a full disk) stops the run after the step during which it is
+noticed. The config recorded in config.json and in every checkpoint holds the `auto` choices
+as resolved on this machine and the data's fingerprint (`data_files`), so a resumption
+compares what actually ran.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from jax.experimental import multihost_utils
 
 from bov_jax import sharding
 from bov_jax.accounting import TrainingPlan, training_plan
-from bov_jax.config import validate_config
+from bov_jax.cli import UserError
+from bov_jax.config import ConfigError, config_errors, validate_config
 from bov_jax.data.config import tokenizer_path, validate_data_config
+from bov_jax.data.identity import data_fingerprint
 from bov_jax.data.pipeline import make_batch_iterator
 from bov_jax.data.token_cache import ensure_cache
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -44,7 +50,7 @@ from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.model.gpt import learned_coefficients
 from bov_jax.model.spec import resolve_auto
 from bov_jax.train import schedules
-from bov_jax.train.checkpoint import Checkpoints, abstract_like, load_parameters
+from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
 from bov_jax.train.state import TrainState, create_train_state
@@ -55,15 +61,44 @@ log = logging.getLogger("bov_jax")
 MAX_SKIPPED_IN_A_ROW = 16  # train.skip_nonfinite gives up after this many bad batches
 
 
-class NonFiniteLossError(RuntimeError):
-    """A step's loss or gradient was not finite (and skipping was not allowed or gave up)."""
+class NonFiniteLossError(UserError, RuntimeError):
+    """A step's loss, gradient or update was not finite (and skipping was not allowed or
+    gave up)."""
+
+    exit_status = 1
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it: call it before other threads create files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~current_umask()  # what open() gives a new file, read once at import
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` in one rename: readers see the old or the new file, never a part."""
+    """Replace `path` in one rename: readers see the old or the new file, never a part.
+
+    The file gets the mode of a plain open() (0o666 minus the umask), not tempfile's 0o600.
+    """
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
         tmp.write(text)
+    os.chmod(tmp.name, FILE_MODE)
     os.replace(tmp.name, path)
+
+
+def ensure_writable(workdir: Path) -> None:
+    """Create `workdir` and check that a file can be written there, before anything runs."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as err:
+        raise UserError(
+            f"workdir {workdir} is not writable ({err.strerror}); pass a writable --workdir"
+        ) from err
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -122,11 +157,11 @@ def resolve_data_streams(config: Any, layout: BatchLayout) -> int:
     processes = jax.process_count()
     count = config.train.data_streams or processes
     if count < 1 or count % processes:
-        raise ValueError(
+        raise ConfigError(
             f"train.data_streams={count}; expected a positive multiple of the {processes} processes"
         )
     if layout.micro_rows % count:
-        raise ValueError(
+        raise ConfigError(
             f"train.data_streams={count} does not divide the {layout.micro_rows} rows of a "
             "micro-batch (train.device_batch_size x batch devices)"
         )
@@ -229,7 +264,9 @@ class Trainer:
         self.stop = stop
         self.streams = config_dict["train"]["data_streams"]
         self.graphdef, self.fresh_state, shardings, tx = create_train_state(config, plan, mesh)
-        self.train_step = make_train_step(self.graphdef, tx, shardings, mesh)
+        self.train_step = make_train_step(
+            self.graphdef, tx, shardings, mesh, config.train.fault_nonfinite_step
+        )
         self.eval_step = make_eval_step(self.graphdef, shardings, mesh)
         self.token_bytes = jax.device_put(
             jnp.asarray(tokenizer.token_bytes()), sharding.replicated(mesh)
@@ -290,13 +327,18 @@ class Trainer:
             if bool(out["finite"]):
                 self.profiler.after_step(step, out)
                 return state, out
-            problem = f"non-finite loss or gradient at step {step} (loss {float(out['loss'])})"
+            problem = (
+                f"non-finite loss, gradient or update at step {step} "
+                f"(loss {float(out['loss'])}, gradient norm {float(out['grad_norm'])})"
+            )
             if not self.config.train.skip_nonfinite:
+                self.checkpoints.wait()
                 latest = self.checkpoints.latest_step()
                 kept = (
                     "no checkpoint yet"
                     if latest is None
-                    else f"the latest checkpoint (step {latest}) is the last good state"
+                    else f"the last good state is checkpoint {self.checkpoints.step_dir(latest)}"
+                    ", where a rerun continues"
                 )
                 raise NonFiniteLossError(
                     f"{problem}: stopped without saving; {kept}. "
@@ -404,6 +446,7 @@ class Trainer:
             record.update(self.step_record(step, out, dt))
             metrics.write(record)
             self.after_step(step, start, state, record, dt)
+            self.checkpoints.check_saves()
         if self.checkpoints.latest_step() != final["step"]:
             self.save(final["step"], state)
         self.checkpoints.wait()
@@ -441,13 +484,26 @@ def prepare_token_cache(data_cfg: Any, tokenizer: Tokenizer) -> None:
         multihost_utils.sync_global_devices("bov_jax token cache ready")
 
 
+def recorded_config(config: Any, streams: int) -> dict[str, Any]:
+    """The config as written to config.json and checkpoints: `auto` and 0 choices resolved
+    as on this machine (compute dtype, attention, data streams) and the data's fingerprint."""
+    recorded = json.loads(config.to_json_best_effort())
+    for key in ("compute_dtype", "attention_impl"):
+        recorded["model"][key] = resolve_auto(key, config.model[key])
+    recorded["train"]["data_streams"] = streams
+    recorded[DATA_FILES] = data_fingerprint(config.data)
+    return recorded
+
+
 def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     """Train (or resume) the configured run in `workdir`; returns the final metrics."""
     workdir = Path(workdir)
     validate_config(config)
+    ensure_writable(workdir)
     plan = training_plan(config)
-    mesh = sharding.make_mesh(config.mesh)
-    layout = BatchLayout.resolve(config, plan, mesh)
+    with config_errors():
+        mesh = sharding.make_mesh(config.mesh)
+        layout = BatchLayout.resolve(config, plan, mesh)
     streams = resolve_data_streams(config, layout)
     validate_data_config(config.data, config.model.vocab_size, config.model.seq_len)
     tokenizer = load_tokenizer(
@@ -455,9 +511,7 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     )
     prepare_token_cache(config.data, tokenizer)
     is_main = jax.process_index() == 0
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_dict = json.loads(config.to_json_best_effort())
-    config_dict["train"]["data_streams"] = streams
+    config_dict = recorded_config(config, streams)
     log.info("plan: %s", json.dumps(plan.summary()))
     log.info(
         "mesh %s; %d micro-batches of %d rows per step; %d data streams",

@@ -25,6 +25,13 @@ from bov_jax.model.spec import ModelSpec
 from bov_jax.train.optim import build_optimizer
 
 
+def all_finite(tree: Any) -> jax.Array:
+    """() bool: whether every floating-point value of `tree` is finite (one fused reduction;
+    integer leaves such as optax counts are always finite)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
 class TrainState(NamedTuple):
     step: jax.Array  # () int32: optimizer steps taken
     params: dict  # nested dict of arrays, the nnx.to_pure_dict layout

@@ -4,8 +4,10 @@
 explicit shardings and a donated state. The batch holds every micro-batch of the step,
 inputs/targets of shape (accum, rows, T) with rows sharded over (data, fsdp); a `lax.scan`
 accumulates the gradient over the accum axis, so the optimizer sees the mean gradient of
-the whole configured batch. A step whose loss or gradient is not finite leaves the state
-unchanged and reports `finite = False`; the loop decides whether to stop or skip.
+the whole configured batch. A step is committed only if its loss and gradient are finite and
+so are the new parameters and optimizer state (a finite gradient can still overflow a moment
+or a parameter); otherwise the state is left unchanged and the step reports
+`finite = False`, and the loop decides whether to stop or skip.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from flax import nnx
 from bov_jax import sharding
 from bov_jax.evals.bpb import bpb_sums
 from bov_jax.model.gpt import cross_entropy
-from bov_jax.train.state import TrainState
+from bov_jax.train.state import TrainState, all_finite
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: jax.Array):
@@ -47,22 +49,29 @@ def make_train_step(
     tx: optax.GradientTransformation,
     state_shardings: TrainState,
     mesh: jax.sharding.Mesh,
+    fault_nonfinite_step: int = -1,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """`fault_nonfinite_step` >= 0 (train.fault_nonfinite_step, tests only) multiplies the new
+    parameters of that step by NaN; at -1 nothing of it is compiled in."""
+
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         loss, grads = accumulate_gradients(
             graphdef, state.params, batch["inputs"], batch["targets"]
         )
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        if fault_nonfinite_step >= 0:
+            poison = jnp.where(state.step == fault_nonfinite_step, jnp.nan, 1.0)
+            params = jax.tree.map(lambda p: p * poison.astype(p.dtype), params)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
 
-        def update(state: TrainState) -> TrainState:
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+        def commit(state: TrainState) -> TrainState:
             return TrainState(state.step + 1, params, opt_state, state.rng)
 
         # A non-finite step keeps the previous state (the step counter included). A cond,
         # not a select over the whole state, so a good step pays no extra pass over memory.
-        state = jax.lax.cond(finite, update, lambda state: state, state)
+        state = jax.lax.cond(finite, commit, lambda state: state, state)
         return state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
     batch_sh = sharding.batch_sharding(mesh, leading=1)

@@ -1,0 +1,274 @@
+"""Faults a user meets, through `python -m bov_jax.main` as they would meet them.
+
+A non-finite update (injected with the test-only key train.fault_nonfinite_step) never
+reaches a checkpoint and the rerun continues from the last good one; data is recognised by
+content (same shards elsewhere resume, edited or swapped shards are refused by name and no
+checkpoint is moved); bad flags and values end in one line without a traceback; a save that
+fails in the background stops the run at once with the earlier checkpoints intact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import pyarrow.parquet as pq
+import pytest
+from test_resume import REPO, STEPS, checkpoint_steps, environment, main_args, metrics, run_main
+
+from bov_jax.config import ConfigError, default_config, validate_config
+from bov_jax.data import shards
+from bov_jax.data.config import EMBEDDED_DIR
+from bov_jax.train.checkpoint import (
+    Checkpoints,
+    DataStateError,
+    experiment_differences,
+    verify_manifest,
+)
+from bov_jax.train.state import TrainState
+
+NO_CACHE = "--config.data.use_cache=False"  # copied data dirs: no token cache to build
+
+
+def run_failing(workdir: Path, *flags: str, driver: tuple[str, ...] = ()) -> tuple[int, str]:
+    """Run bov_jax.main (or a driver: code and its own arguments) expected to fail:
+    (exit status, stderr)."""
+    command = ["-c", *driver] if driver else ["-m", "bov_jax.main"]
+    done = subprocess.run(
+        [sys.executable, *command, *main_args(workdir, *flags)],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.returncode, done.stderr
+
+
+def assert_one_line(stderr: str) -> str:
+    """The stderr's `error:` message: exactly one, and no traceback or asyncio noise."""
+    assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr[-3000:]
+    return errors[0]
+
+
+def test_nonfinite_update_never_reaches_a_checkpoint(tmp_path):
+    status, stderr = run_failing(tmp_path, "--config.train.fault_nonfinite_step=3")
+    message = assert_one_line(stderr)
+    last_good = tmp_path / "checkpoints" / "2"
+    assert status == 1 and "at step 3" in message and str(last_good) in message
+    assert checkpoint_steps(tmp_path) == [2]
+    verify_manifest(last_good, 2)
+    assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "config.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    # The fault was transient: the rerun continues from step 2 to the end, every step once.
+    output = run_main(tmp_path)
+    assert f"resumed from {last_good}" in output
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(STEPS + 1))
+    assert all(math.isfinite(r["loss"]) for r in records[:STEPS])
+    # A finished run extended on purpose: the listed key is accepted with a warning.
+    output = run_main(
+        tmp_path,
+        f"--config.train.num_steps={STEPS + 2}",
+        "--config.checkpoint.allow_changes=train.num_steps",
+    )
+    assert "train.num_steps: 8 -> 10" in output and "schedules follow the new values" in output
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(STEPS + 3))
+
+
+def copy_data(destination: Path) -> Path:
+    """The embedded corpus' shards and tokenizer (not its token cache) in `destination`."""
+    destination.mkdir()
+    for path in EMBEDDED_DIR.glob("*.parquet"):
+        shutil.copy(path, destination)
+    shutil.copytree(EMBEDDED_DIR / "tokenizer", destination / "tokenizer")
+    return destination
+
+
+def rewrite_shard(path: Path, keep_documents: int | None = None) -> None:
+    """Edit a shard in place: its first document altered, or only the first documents kept."""
+    table = pq.read_table(path)
+    texts = table[shards.TEXT_COLUMN].to_pylist()
+    sources = table[shards.SOURCE_COLUMN].to_pylist()
+    if keep_documents is None:
+        texts[0] = texts[0].upper()
+    else:
+        texts, sources = texts[:keep_documents], sources[:keep_documents]
+    shards.write_shard(path, texts, sources, row_group_size=16)
+
+
+@pytest.fixture(scope="module")
+def trained_on_a_copy(tmp_path_factory) -> tuple[Path, Path]:
+    """(data dir, workdir) of a run on a copy of the embedded corpus stopped at step 2."""
+    root = tmp_path_factory.mktemp("data_identity")
+    data = copy_data(root / "data")
+    workdir = root / "run"
+    run_main(
+        workdir, NO_CACHE, f"--config.data.data_dir={data}", "--config.train.stop_after_steps=2"
+    )
+    assert checkpoint_steps(workdir) == [2]
+    recorded = json.loads((workdir / "config.json").read_text())
+    assert recorded["model"]["compute_dtype"] == "float32"  # "auto", resolved on this CPU
+    assert set(recorded["data_files"]) >= {p.name for p in data.glob("*.parquet")}
+    return data, workdir
+
+
+def resume_on(data: Path, workdir: Path, *flags: str) -> tuple[int, str]:
+    return run_failing(workdir, NO_CACHE, f"--config.data.data_dir={data}", *flags)
+
+
+def test_same_data_at_another_path_resumes(trained_on_a_copy, tmp_path):
+    data, workdir = trained_on_a_copy
+    moved_data, moved_run = tmp_path / "elsewhere", tmp_path / "run"
+    shutil.copytree(data, moved_data)
+    shutil.copytree(workdir, moved_run)
+    output = run_main(
+        moved_run,
+        NO_CACHE,
+        f"--config.data.data_dir={moved_data}",
+        "--config.model.compute_dtype=float32",  # what "auto" was: the same experiment
+        "--config.train.stop_after_steps=1",
+    )
+    assert f"resumed from {moved_run / 'checkpoints' / '2'}" in output
+    assert checkpoint_steps(moved_run) == [2, 3]
+
+
+@pytest.mark.parametrize("change", ["edited", "swapped"])
+def test_changed_data_is_refused_by_name_and_no_checkpoint_moves(
+    trained_on_a_copy, tmp_path, change
+):
+    data, workdir = trained_on_a_copy
+    changed, run = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(data, changed)
+    shutil.copytree(workdir, run)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    if change == "edited":  # same documents, one text altered
+        rewrite_shard(changed / "shard_00001.parquet")
+        status, stderr = resume_on(changed, run)
+    else:  # another document count; fallback asked for, and still nothing is moved
+        rewrite_shard(changed / "shard_00001.parquet", keep_documents=40)
+        status, stderr = resume_on(changed, run, "--config.checkpoint.fallback=True")
+    assert_one_line(stderr)
+    assert status == 1 and "is not the data of checkpoint" in stderr
+    assert "shard_00001.parquet:" in stderr and "shard_00000.parquet:" not in stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+class Position:
+    """A data iterator stand-in: its state, and a set_state that refuses what does not fit."""
+
+    def __init__(self, documents: int):
+        self.documents, self.position = documents, 0
+
+    def get_state(self) -> dict:
+        return {"position": self.position}
+
+    def set_state(self, state: dict) -> None:
+        if state["position"] > self.documents:
+            raise ValueError(f"position {state['position']} beyond {self.documents} documents")
+        self.position = state["position"]
+
+
+def test_data_position_that_no_longer_fits_is_not_a_damaged_checkpoint(tmp_path):
+    state = TrainState(jnp.int32(2), {"w": jnp.ones(3)}, {}, jax.random.key(0))
+    streams = SimpleNamespace(count=1, iterators={0: Position(100)})
+    streams.iterators[0].position = 50
+    checkpoints = Checkpoints(tmp_path, keep=2, async_save=False)
+    checkpoints.save(2, state, streams, {})
+    fewer = SimpleNamespace(count=1, iterators={0: Position(40)})
+    with pytest.raises(DataStateError, match="stream_0-of-1.json: the saved data position"):
+        checkpoints.restore_latest(state, fewer, {}, fallback=True)
+    assert checkpoint_steps(tmp_path) == [2] and not list(
+        (tmp_path / "checkpoints").glob("*corrupt*")
+    )
+    checkpoints.close()
+
+
+def test_auto_choices_are_compared_resolved():
+    saved = {"model": {"compute_dtype": "bfloat16"}, "optim": {"matrix_lr": math.nan}}
+    current = {"model": {"compute_dtype": "float32"}, "optim": {"matrix_lr": math.nan}}
+    assert experiment_differences(saved, current) == [
+        "model.compute_dtype: 'bfloat16' -> 'float32'"
+    ]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("train.num_steps", 0),
+        ("train.num_steps", -5),
+        ("checkpoint.save_every", -3),
+        ("train.total_batch_tokens", -4096),
+        ("train.target_flops", 0.0),
+        ("train.stop_after_steps", 0),
+        ("model.model_dim", -64),
+        ("optim.matrix_lr", math.nan),
+        ("optim.warmdown_ratio", 1.5),
+        ("optim.embedding_betas", (0.8, 1.0)),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_key(key, value):
+    config = default_config()
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ConfigError, match=rf"^{key}="):
+        validate_config(config)
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [
+        ("--config.train.num_step=5", "did you mean train.num_steps?"),
+        ("--config.train.num_steps=0", "train.num_steps=0; expected -1"),
+        ("--config=configs/no_such_file.py", "config file configs/no_such_file.py not found"),
+    ],
+)
+def test_bad_flags_end_in_one_line(tmp_path, flag, expected):
+    status, stderr = run_failing(tmp_path, flag)
+    assert status == 2 and expected in assert_one_line(stderr)
+
+
+def test_unwritable_workdir_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    status, stderr = run_failing(blocker / "run")
+    assert status == 2 and f"workdir {blocker / 'run'} is not writable" in assert_one_line(stderr)
+
+
+# Runs bov_jax.main with the commit of one step's save (argv[1]) failing as on a full disk.
+FULL_DISK_AT_SAVE = """
+import errno, runpy, sys
+from orbax.checkpoint._src.checkpointers import async_checkpointer
+failing_step = sys.argv.pop(1)
+commit = async_checkpointer._on_commit_callback
+def full_disk(tmpdir, *args, **kwargs):
+    if tmpdir.get_final().name == failing_step:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmpdir.get()))
+    commit(tmpdir, *args, **kwargs)
+async_checkpointer._on_commit_callback = full_disk
+sys.argv[0] = "bov_jax.main"
+runpy.run_module("bov_jax.main", run_name="__main__")
+"""
+
+
+def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tmp_path):
+    every_step = "--config.checkpoint.save_every=1"
+    status, stderr = run_failing(tmp_path, every_step, driver=(FULL_DISK_AT_SAVE, "2"))
+    message = assert_one_line(stderr)
+    assert status == 1 and "step 2" in message and "No space left on device" in message
+    assert checkpoint_steps(tmp_path) == [1]
+    verify_manifest(tmp_path / "checkpoints" / "1", 1)
+    assert [r["step"] for r in metrics(tmp_path)][-1] <= 3  # within a step of the save
