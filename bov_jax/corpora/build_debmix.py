@@ -14,6 +14,7 @@ meta-packages. Resumable: rerun after an interruption and finished steps are reu
 
 from functools import partial
 
+from bov_jax import cli
 from bov_jax.corpora import registry
 from bov_jax.corpora.corpus_build import Source, corpus_main
 from bov_jax.corpora.sources import austen, dictd, files, fortunes, html_text, sotu, sword
@@ -212,4 +213,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

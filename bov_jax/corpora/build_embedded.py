@@ -11,6 +11,7 @@ downloads and extracted documents for a rerun. The committed shards were built w
 
 from functools import partial
 
+from bov_jax import cli
 from bov_jax.corpora import registry
 from bov_jax.corpora.corpus_build import Source, corpus_main
 from bov_jax.corpora.sources import austen, sotu, sword
@@ -71,4 +72,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)

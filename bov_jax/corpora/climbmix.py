@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
+from bov_jax import cli
 from bov_jax.corpora.archives import file_sha256
 from bov_jax.data import shards
 from bov_jax.data.errors import DataError
@@ -160,4 +161,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_argparse(main)
