@@ -150,11 +150,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--num-shards", type=int, required=True, help="train shards (the reference: 8, then 170)"
+        "--num_shards",
+        "--num-shards",
+        type=int,
+        required=True,
+        help="train shards (the reference: 8, then 170)",
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--base-url", default=BASE_URL)
+    parser.add_argument("--base_url", "--base-url", default=BASE_URL)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     download(plan(args.num_shards), args.out, base_url=args.base_url, workers=args.workers)

@@ -192,7 +192,7 @@ def corpus_main(
     )
     parser.add_argument("--out", type=Path, required=default_out is None, default=default_out)
     cache = Path.home() / ".cache" / "bov_jax" / corpus_name
-    parser.add_argument("--work-dir", type=Path, default=cache)
+    parser.add_argument("--work_dir", "--work-dir", type=Path, default=cache)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     build_corpus(
