@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from bov_jax.model import layers
+from bov_jax.model import layers, loss
 from bov_jax.model.spec import ModelSpec
 from bov_jax.model.values import GATE_CHANNELS
 
@@ -268,7 +268,8 @@ class GPT(nnx.Module):
         cap = self.spec.logit_softcap
         return cap * jnp.tanh(logits / cap)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """(B, T) -> the final residual stream (B, T, D), before the last norm."""
         x = self.smear(self.embed(tokens))
         ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
         cos, sin = layers.rotary_tables(
@@ -278,7 +279,30 @@ class GPT(nnx.Module):
             x, v = block(x, ctx, cos, sin)
             if i == 0:
                 ctx = ctx._replace(v1=v)
-        return self.logits(x)
+        return x
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.logits(self.hidden(tokens))
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, reduction: str = "mean") -> jax.Array:
+        """Cross-entropy in nats of the next-token targets (B, T), -1 ignored, computed over
+        chunks of tokens without the full logits (bov_jax/model/loss.py): a scalar mean over
+        valid targets, or per-token nats (B, T) (0 where ignored) when reduction == "none".
+        Equal to cross_entropy(self(tokens), targets, reduction)."""
+        h = layers.rms_norm(self.hidden(tokens)).astype(self.spec.compute_dtype)
+        args = (
+            h,
+            self.lm_head.kernel[...],
+            targets,
+            self.spec.vocab_size,
+            self.spec.logit_softcap,
+            self.spec.loss_chunk_tokens,
+        )
+        if reduction == "none":
+            return loss.token_nll(*args)
+        if reduction != "mean":
+            raise ValueError(f"reduction={reduction!r}; expected 'mean' or 'none'")
+        return loss.mean_nll(*args)
 
 
 def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> dict[int, nnx.Embed]:
