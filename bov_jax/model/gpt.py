@@ -17,6 +17,7 @@ from flax import nnx
 
 from bov_jax.model import layers, loss
 from bov_jax.model.spec import ModelSpec
+from bov_jax.model.tables import Table
 from bov_jax.model.values import GATE_CHANNELS
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -56,10 +57,10 @@ def dense(
     )
 
 
-def table(spec: ModelSpec, values: jax.Array, axes: tuple) -> nnx.Embed:
-    """An nnx.Embed holding the given (rows, features) values."""
+def table(spec: ModelSpec, values: jax.Array, axes: tuple) -> Table:
+    """A token-id table holding the given (rows, features) values."""
     rows, features = values.shape
-    return nnx.Embed(
+    return Table(
         rows,
         features,
         embedding_init=nnx.with_partitioning(lambda *_: values.astype(spec.param_dtype), axes),
@@ -84,7 +85,7 @@ class ValueContext(NamedTuple):
 class ValuePath(nnx.Module):
     """Forms one layer's values (B, T, K); see bov_jax/model/values.py."""
 
-    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: nnx.Embed | None):
+    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: Table | None):
         vp = spec.value_path
         self.vp = vp
         self.is_target = layer in spec.targets
@@ -127,8 +128,13 @@ class ValuePath(nnx.Module):
             "residual": lambda: self.c_v(x),
             "x0": lambda: self.c_v(ctx.x0n),
             "v1": lambda: ctx.v1,
-            "bank": lambda: self.bank(ctx.token_ids),
+            "bank": lambda: self.bank_lookup(ctx.token_ids),
         }[self.vp.source]()
+
+    def bank_lookup(self, token_ids: jax.Array) -> jax.Array:
+        """The bank rows of the ids: (B, T) -> (B, T, K)."""
+        with jax.named_scope("bank"):
+            return self.bank(token_ids)
 
     def replace_coef(self) -> jax.Array | float:
         return {
@@ -139,7 +145,7 @@ class ValuePath(nnx.Module):
 
     def bank_values(self, token_ids: jax.Array) -> jax.Array:
         """Values of an id-only (bank, replace) target layer: (B, T) -> (B, T, K)."""
-        return self.replace_coef() * self.bank(token_ids)
+        return self.replace_coef() * self.bank_lookup(token_ids)
 
     def __call__(self, x: jax.Array, ctx: ValueContext) -> jax.Array:
         if not self.is_target:
@@ -162,7 +168,7 @@ class ValuePath(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: nnx.Embed | None):
+    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: Table | None):
         s = spec.init_bound
         self.n_head, self.head_dim = spec.n_head, spec.head_dim
         self.qk_scale = spec.qk_scale
@@ -191,10 +197,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x, ctx: ValueContext, cos, sin) -> tuple[jax.Array, jax.Array]:
         """x: (B, T, D) normed input -> (out (B, T, D), values (B, T, K))."""
-        q, k = self.queries_keys(x, cos, sin)
-        v = self.value(x, ctx)
-        y = layers.attention(q, k, self.heads(v), window=self.window, implementation=self.impl)
-        return self.output(y), v
+        with jax.named_scope("attn"):
+            q, k = self.queries_keys(x, cos, sin)
+            v = self.value(x, ctx)
+            y = layers.attention(q, k, self.heads(v), window=self.window, implementation=self.impl)
+            return self.output(y), v
 
 
 class MLP(nnx.Module):
@@ -211,11 +218,12 @@ class MLP(nnx.Module):
         self.c_proj = dense(spec, hidden, spec.d_model, zeros, ("mlp", "embed"), keys["c_fc"])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
+        with jax.named_scope("mlp"):
+            return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
 
 
 class Block(nnx.Module):
-    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: nnx.Embed | None):
+    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: Table | None):
         self.attn = Attention(spec, layer, keys, bank)
         self.mlp = MLP(spec, keys)
 
@@ -298,14 +306,13 @@ class GPT(nnx.Module):
             self.spec.logit_softcap,
             self.spec.loss_chunk_tokens,
         )
-        if reduction == "none":
-            return loss.token_nll(*args)
-        if reduction != "mean":
+        if reduction not in ("mean", "none"):
             raise ValueError(f"reduction={reduction!r}; expected 'mean' or 'none'")
-        return loss.mean_nll(*args)
+        with jax.named_scope("loss"):
+            return loss.token_nll(*args) if reduction == "none" else loss.mean_nll(*args)
 
 
-def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> dict[int, nnx.Embed]:
+def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> dict[int, Table]:
     """The value tables of the target layers, keyed by layer (one object when shared).
 
     Aligned init (spec 2.3): E_l[t] = rmsnorm(wte[t]) @ W_V^l in fp32, where W_V^l is the
@@ -317,7 +324,7 @@ def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> d
         return {}
     s = spec.init_bound
 
-    def new_bank(layer: int) -> nnx.Embed:
+    def new_bank(layer: int) -> Table:
         keys = layer_keys(blocks_key, layer)
         if vp.bank_init == "uniform":
             values = uniform(s)(keys["bank"], (spec.padded_vocab, spec.kv_dim), jnp.float32)
