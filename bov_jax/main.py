@@ -20,6 +20,8 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+from bov_jax import xla_flags
+
 config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
@@ -74,6 +76,7 @@ def configure_logging() -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    xla_flags.set_gpu_flags()  # before the backend starts
     initialize_distributed()
     configure_logging()
     from bov_jax.train.checkpoint import CheckpointError, ConfigMismatchError
