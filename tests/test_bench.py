@@ -7,6 +7,8 @@ from absl import flags
 from bov_jax import bench
 
 TINY_CONFIG = """
+import jax
+
 from bov_jax.presets import config_for
 
 
@@ -15,7 +17,8 @@ def get_config(preset="d12_bov"):
     config.model.update(depth=2, model_dim=64, head_dim=32, vocab_size=512, seq_len=32,
                         short_window=8)
     config.train.device_batch_size = 1
-    config.train.total_batch_tokens = 3 * 8 * 32  # three micro-batches of 8 devices' rows
+    # three micro-batches of one row per device
+    config.train.total_batch_tokens = 3 * jax.device_count() * 32
     return config
 """
 
