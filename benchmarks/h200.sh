@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# One prepared device check on a single H200 (run through the session's device tool):
-# train-step throughput and MFU for d12 and d24, baseline vs BoV, bf16 with cuDNN attention
-# (falling back to XLA attention if cuDNN fails); `h200.sh decode` times d24 decoding instead.
+# One prepared device check on a single H200 (run through the session's device tool), about
+# 8 minutes: the issue-10 figures at the trained batch. Per pair (baseline, BoV), bf16, cuDNN
+# attention (XLA attention if cuDNN fails), embedded-corpus token ids, 8 micro-batches per
+# step (the cap; d12 trains with 16 and d24 with 64, the optimizer share scales down further):
+# step / optimizer / forward+backward times, MFU, tokens/s, peak memory, BoV/baseline step
+# ratio (interleaved). d12 runs twice: with the XLA GPU flags of bov_jax/xla_flags.py and
+# without (BOV_XLA_GPU_FLAGS=0). d24 BoV is profiled (time by category and named scope).
 # The image's jax/flax/optax are used; only ml_collections is carried as a wheel in .whl/.
-# Results land in $OUT.
+# Results land in $OUT. Usage: bash benchmarks/h200.sh [d12|d24|decode]
+# (`decode` times d24 decoding at batch 8, baseline vs BoV, instead).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, \
-'optax', optax.__version__)" | tee -a "$OUT/gpu.txt"
-bench() {  # name, timeout, configs, device batch, steps, attention
-  timeout "$2" python3 -m bov_jax.bench train --configs="$3" --dtype=bfloat16 --attention="$6" \
-      --device_batch_size="$4" --steps="$5" --json_out="$OUT/train_$1.json" 2>&1 \
-      | grep -v "^W[0-9]" | tee "$OUT/train_$1.log"
+python3 -c "import jax, jaxlib, flax, optax; print('jax', jax.__version__, 'jaxlib', \
+jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__)" | tee -a "$OUT/gpu.txt"
+bench() {  # name, timeout, configs, device batch, extra flags...
+  local name=$1 limit=$2 configs=$3 rows=$4; shift 4
+  timeout "$limit" python3 -m bov_jax.bench train --configs="$configs" --dtype=bfloat16 \
+      --attention="$attn" --device_batch_size="$rows" --max_micro_batches=8 --steps=3 --reps=3 \
+      --json_out="$OUT/train_$name.json" "$@" 2>&1 | grep -v "^W[0-9]" | tee "$OUT/train_$name.log"
+  return "${PIPESTATUS[0]}"
 }
 decode() {  # d24 decode at batch 8: baseline vs BoV with and without the V cache
   timeout 300 python3 -m bov_jax.bench_decode --baseline=d24 --bov=d24_bov --depth=24 \
@@ -26,7 +33,9 @@ only=${1:-}  # "d12" or "d24" runs that pair alone; "decode" runs the decode ben
 if [ "$only" = decode ]; then decode; exit; fi
 attn=cudnn
 if [ "$only" != d24 ]; then
-  bench d12 150 configs/d12.py,configs/d12_bov.py 16 10 $attn \
-      || { attn=xla; bench d12 150 configs/d12.py,configs/d12_bov.py 16 10 $attn; }
+  bench d12 150 configs/d12.py,configs/d12_bov.py 16 \
+      || { attn=xla; bench d12 150 configs/d12.py,configs/d12_bov.py 16; }
+  BOV_XLA_GPU_FLAGS=0 bench d12_noflags 150 configs/d12.py,configs/d12_bov.py 16
 fi
-[ "$only" != d12 ] && bench d24 230 configs/d24.py,configs/d24_bov.py 8 5 $attn
+[ "$only" != d12 ] && bench d24 240 configs/d24.py,configs/d24_bov.py 8 --profile="$OUT/trace"
+rm -rf "$OUT/trace"  # the printed and JSON breakdowns are what comes back

@@ -1,53 +1,83 @@
 """Benchmarks whose ratios are measured in one run.
 
     python -m bov_jax.bench train --configs=configs/d12.py,configs/d12_bov.py \
-        [--device_batch_size=16 --seq_len=2048 --steps=10 --dtype=bfloat16 --attention=cudnn]
+        [--micro_batches=N --device_batch_size=16 --steps=5 --reps=3 --tokens=corpus|random \
+         --dtype=bfloat16 --attention=cudnn --json_out=out.json --profile=/tmp/trace]
     python -m bov_jax.bench data --configs=configs/quickstart.py [--seconds=5]
 
-`train`: tokens/s, step time, MFU and compile time of the compiled train step, configs side
-by side in this one process on the same devices. Batches are random tokens; one step is one
-micro-batch per device. `data`: tokens/s the data pipeline produces for the first config
-(with and without worker processes) next to what its train step consumes.
+`train`: per config, the compiled train step at `micro_batches` micro-batches (default: what
+the config's total batch needs, at most --max_micro_batches), so the optimizer is charged once
+per real step, as in training. Reported: step time, optimizer-only time, forward+backward time
+of one micro-batch, MFU of forward+backward alone and of the whole step (analytic FLOPs per
+token; null where the device's peak is unknown, e.g. CPU), tokens/s, peak memory of the
+compiled step (arguments + outputs - donated + temporaries), compile time, and the step time
+ratio to the first config. The configs are compiled side by side in this one process and timed
+in `reps` interleaved rounds; ratios are per round (median, min, max). Token ids come from the
+embedded corpus (real text: repeated ids collide in the embedding and bank gradients as in
+training) unless --tokens=random. --profile writes a jax.profiler trace of a few steps per
+config and prints the device time by op category and by named scope (bov_jax/profile.py).
+On GPUs the XLA flags of `bov_jax.xla_flags` are set before JAX starts.
+`data`: tokens/s the data pipeline produces for the first config (with and without worker
+processes) next to what its train step consumes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import app, flags
 from ml_collections import config_flags
 
-from bov_jax import cli, sharding
+from bov_jax import cli, profile, sharding, xla_flags
 from bov_jax.accounting import training_plan
+from bov_jax.cli import UserError
+from bov_jax.data.config import default_data_config
+from bov_jax.data.pipeline import make_batch_iterator
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train.metrics import peak_flops_per_device
 from bov_jax.train.state import create_train_state
-from bov_jax.train.step import make_train_step
+from bov_jax.train.step import loss_fn, make_train_step
 
 flags.DEFINE_list("configs", ["configs/d12.py", "configs/d12_bov.py"], "Config files to compare.")
-flags.DEFINE_integer("device_batch_size", 0, "Rows per device (0: the config's).")
+flags.DEFINE_integer("device_batch_size", 0, "Rows per device per micro-batch (0: the config's).")
 flags.DEFINE_integer("seq_len", 0, "Sequence length (0: the config's).")
 flags.DEFINE_integer("depth", 0, "Override model depth (0: the config's).")
 flags.DEFINE_integer("model_dim", -1, "Override model width (-1: the config's).")
 flags.DEFINE_integer("vocab_size", 0, "Override vocab (0: the config's).")
-flags.DEFINE_integer("steps", 5, "Timed steps after the compile step.")
+flags.DEFINE_integer(
+    "micro_batches", 0, "Micro-batches per step (0: what the config's total batch needs)."
+)
+flags.DEFINE_integer("max_micro_batches", 16, "Cap on the default number of micro-batches.")
+flags.DEFINE_integer("steps", 5, "Timed train steps per repetition (after the compile step).")
+flags.DEFINE_integer("reps", 3, "Interleaved repetitions over the configs.")
+flags.DEFINE_enum("tokens", "corpus", ["corpus", "random"], "Embedded-corpus ids or random ids.")
 flags.DEFINE_string("dtype", "", "Compute dtype override (bfloat16 on accelerators).")
 flags.DEFINE_string("attention", "", "Attention implementation override (xla | cudnn).")
 flags.DEFINE_string("json_out", "", "Also write the results to this JSON file.")
+flags.DEFINE_string("profile", "", "Write a jax.profiler trace of a few steps under this dir.")
 flags.DEFINE_float("seconds", 5.0, "data: seconds of pipeline reading per measurement.")
 FLAGS = flags.FLAGS
 
 
 def load_config(path: str) -> Any:
-    return config_flags.config_flags.ConfigFileFlagParser(name="config").parse(path)
+    try:
+        return config_flags.config_flags.ConfigFileFlagParser(name="config").parse(path)
+    except (OSError, ImportError) as err:
+        raise UserError(f"--configs: cannot load {path!r}: {err}") from err
 
 
 def configure(config: Any) -> Any:
+    """Apply the override flags; the step covers `micro_batches` micro-batches."""
     m, t = config.model, config.train
     for key, value in (
         ("depth", FLAGS.depth),
@@ -64,55 +94,180 @@ def configure(config: Any) -> Any:
         m.attention_impl = FLAGS.attention
     if FLAGS.device_batch_size:
         t.device_batch_size = FLAGS.device_batch_size
+    micro_tokens = t.device_batch_size * jax.device_count() * m.seq_len
+    accum = FLAGS.micro_batches
+    if not accum:
+        needed = max(1, training_plan(config).total_batch_tokens // micro_tokens)
+        accum = min(needed, FLAGS.max_micro_batches)
     t.target_flops, t.target_tokens, t.num_steps = -1.0, -1, 1000
-    t.total_batch_tokens = t.device_batch_size * jax.device_count() * m.seq_len
+    t.total_batch_tokens = accum * micro_tokens
     return config
 
 
-def bench_train(path: str) -> dict[str, Any]:
-    config = configure(load_config(path))
-    spec = ModelSpec.from_config(config.model)
-    plan = training_plan(config)
-    mesh = sharding.make_mesh(config.mesh)
-    graphdef, state, shardings, tx = create_train_state(config, plan, mesh)
-    step = make_train_step(graphdef, tx, shardings, mesh)
-    rows, seq = config.train.device_batch_size * jax.device_count(), config.model.seq_len
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, config.model.vocab_size, (1, rows, seq + 1), dtype=np.int32)
-    batch = sharding.global_batch(
-        {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}, mesh, leading=1
-    )
-    start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
-    state, out = compiled(state, batch)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(FLAGS.steps):
-        state, out = compiled(state, batch)
-    jax.block_until_ready(out)
-    step_s = (time.perf_counter() - start) / FLAGS.steps
-    tok_s = rows * seq / step_s
-    peak = peak_flops_per_device()
+def token_ids(config: Any, count: int, rows: int, seq: int) -> np.ndarray:
+    """(count, rows, seq + 1) int32 ids: embedded-corpus text (folded into the vocabulary
+    if it is smaller than the corpus tokenizer's) or uniform random ids."""
+    vocab = config.model.vocab_size
+    if FLAGS.tokens == "random":
+        return np.random.default_rng(0).integers(0, vocab, (count, rows, seq + 1), np.int32)
+    data = default_data_config()
+    data.num_workers = 0
+    batches = make_batch_iterator(data, split="train", seq_len=seq, batch_size=rows, seed=0)
+    ids = []
+    for _ in range(count):
+        batch = next(batches)
+        ids.append(np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1))
+    return np.stack(ids) % vocab
+
+
+def peak_bytes(compiled: Any) -> int | None:
+    """Arguments + outputs - donated aliases + temporaries of a compiled function."""
     memory = compiled.memory_analysis()
-    return {
-        "config": path,
-        "depth": config.model.depth,
-        "value_path": dict(config.model.value_path),
-        "compute_dtype": jnp.dtype(spec.compute_dtype).name,
-        "attention": spec.attention_impl,
-        "tokens_per_step": rows * seq,
-        "compile_s": round(compile_s, 2),
-        "step_ms": round(1000 * step_s, 2),
-        "tokens_per_sec": round(tok_s, 1),
-        "flops_per_token": plan.flops_per_token,
-        "model_tflops_per_sec": round(tok_s * plan.flops_per_token / 1e12, 2),
-        "mfu": round(tok_s * plan.flops_per_token / (peak * jax.device_count()), 4)
-        if peak
-        else None,
-        "loss": float(out["loss"]),
-        "temp_gib": round(getattr(memory, "temp_size_in_bytes", 0) / 2**30, 2) if memory else None,
+    if memory is None:
+        return None
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+
+
+def seconds_per_call(fn: Callable[[], Any], calls: int) -> float:
+    jax.block_until_ready(fn())  # warm
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls
+
+
+class TrainBench:
+    """One config's compiled train step, its parts, and a fixed batch."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.config = config = configure(load_config(path))
+        self.spec = ModelSpec.from_config(config.model)
+        self.plan = training_plan(config)
+        mesh = sharding.make_mesh(config.mesh)
+        graphdef, self.state, shardings, self.tx = create_train_state(config, self.plan, mesh)
+        self.rows = config.train.device_batch_size * jax.device_count()
+        self.seq = config.model.seq_len
+        self.accum = config.train.total_batch_tokens // (self.rows * self.seq)
+        ids = token_ids(config, self.accum, self.rows, self.seq)
+        self.batch = sharding.global_batch(
+            {"inputs": ids[..., :-1], "targets": ids[..., 1:]}, mesh, leading=1
+        )
+        start = time.perf_counter()
+        self.step = make_train_step(graphdef, self.tx, shardings, mesh)
+        self.step = self.step.lower(self.state, self.batch).compile()
+        self.compile_s = time.perf_counter() - start
+        self.fwd_bwd = jax.jit(jax.value_and_grad(loss_fn, argnums=1), static_argnums=0)
+        self.fwd_bwd = functools.partial(self.fwd_bwd, graphdef)
+
+        def optimizer_step(params: dict, opt_state: Any, grads: dict) -> tuple[dict, Any]:
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        self.optimizer = jax.jit(optimizer_step)
+
+    def run_steps(self, steps: int) -> float:
+        """Seconds per train step over `steps` steps (the state advances)."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.state, out = self.step(self.state, self.batch)
+        jax.block_until_ready(out)
+        self.loss = float(out["loss"])
+        return (time.perf_counter() - start) / steps
+
+    def part_times(self, calls: int) -> tuple[float, float]:
+        """(forward+backward of one micro-batch, optimizer update alone) in seconds."""
+        params = self.state.params
+        inputs, targets = self.batch["inputs"][0], self.batch["targets"][0]
+        fwd_bwd = seconds_per_call(lambda: self.fwd_bwd(params, inputs, targets), calls)
+        opt = seconds_per_call(lambda: self.optimizer(params, self.state.opt_state, params), calls)
+        return fwd_bwd, opt
+
+    def result(self, step_times: list[float]) -> dict[str, Any]:
+        fwd_bwd_s, opt_s = self.part_times(max(1, FLAGS.steps))
+        step_s = statistics.median(step_times)
+        tokens = self.accum * self.rows * self.seq
+        peak = peak_flops_per_device()
+        fpt = self.plan.flops_per_token
+
+        def mfu(tokens_per_s: float) -> float | None:
+            return round(tokens_per_s * fpt / (peak * jax.device_count()), 4) if peak else None
+
+        memory = peak_bytes(self.step)
+        return {
+            "config": self.path,
+            "depth": self.config.model.depth,
+            "value_path": dict(self.config.model.value_path),
+            "compute_dtype": jnp.dtype(self.spec.compute_dtype).name,
+            "attention": self.spec.attention_impl,
+            "token_ids": FLAGS.tokens,
+            "micro_batches": self.accum,
+            "tokens_per_micro_batch": self.rows * self.seq,
+            "tokens_per_step": tokens,
+            "compile_s": round(self.compile_s, 2),
+            "step_ms": round(1000 * step_s, 2),
+            "step_ms_reps": [round(1000 * t, 2) for t in step_times],
+            "optimizer_ms": round(1000 * opt_s, 2),
+            "fwd_bwd_ms_per_micro_batch": round(1000 * fwd_bwd_s, 2),
+            "tokens_per_sec": round(tokens / step_s, 1),
+            "flops_per_token": fpt,
+            "mfu_fwd_bwd": mfu(self.rows * self.seq / fwd_bwd_s),
+            "mfu_step": mfu(tokens / step_s),
+            "peak_memory_gib": round(memory / 2**30, 3) if memory is not None else None,
+            "loss": self.loss,
+        }
+
+
+def bench_train(paths: list[str]) -> list[dict[str, Any]]:
+    """Every config compiled, then `reps` interleaved rounds of `steps` steps each; step time
+    ratios to the first config are taken within each round."""
+    benches = [TrainBench(path) for path in paths]
+    times: list[list[float]] = [[] for _ in benches]
+    for bench in benches:
+        bench.run_steps(1)  # the first call after compiling
+    for _ in range(FLAGS.reps):
+        for bench, record in zip(benches, times, strict=True):
+            record.append(bench.run_steps(FLAGS.steps))
+    results = []
+    for bench, record in zip(benches, times, strict=True):
+        result = bench.result(record)
+        ratios = [mine / first for mine, first in zip(record, times[0], strict=True)]
+        result["step_time_ratio_vs_first"] = {
+            "median": round(statistics.median(ratios), 4),
+            "min": round(min(ratios), 4),
+            "max": round(max(ratios), 4),
+        }
+        results.append(result)
+    if FLAGS.profile:
+        for bench, result in zip(benches, results, strict=True):
+            result["profile"] = profile_steps(
+                bench, os.path.join(FLAGS.profile, f"config{len(result)}")
+            )
+    return results
+
+
+def profile_steps(bench: TrainBench, trace_dir: str, steps: int = 3) -> dict[str, Any]:
+    """Trace `steps` train steps; print and return milliseconds per step by category/scope."""
+    with jax.profiler.trace(trace_dir):
+        bench.run_steps(steps)
+    hlo = bench.step.as_text()
+    module = hlo.split(",", 1)[0].removeprefix("HloModule ").strip()
+    by_category, by_scope = profile.breakdown(hlo, profile.op_times(trace_dir, module))
+    out = {
+        "trace_dir": trace_dir,
+        "ms_per_step_by_category": {k: round(1000 * v / steps, 2) for k, v in by_category.items()},
+        "ms_per_step_by_scope": {k: round(1000 * v / steps, 2) for k, v in by_scope.items()},
     }
+    print(f"profile of {bench.path} ({trace_dir}), device ms per step:")
+    for key in ("ms_per_step_by_category", "ms_per_step_by_scope"):
+        print("  " + "  ".join(f"{name} {ms:.1f}" for name, ms in out[key].items()))
+    return out
 
 
 def bench_data(path: str) -> None:
@@ -125,35 +280,51 @@ def bench_data(path: str) -> None:
         workers: measure_pipeline(config.data, seq, rows, FLAGS.seconds, workers)
         for workers in (0, 2)
     }
-    consumed = bench_train(path)["tokens_per_sec"]
+    consumed = bench_train([path])[0]["tokens_per_sec"]
     print(f"trainer consumes {consumed:,.0f} tokens/s ({path})")
     for workers, rate in produced.items():
         print(f"pipeline, {workers} workers: {rate:,.0f} tokens/s = {rate / consumed:,.1f}x")
 
 
 def main(argv: list[str]) -> None:
+    xla_flags.set_gpu_flags()  # before the backend starts
     if len(argv) < 2 or argv[1] not in ("train", "data"):
         raise app.UsageError("usage: python -m bov_jax.bench {train,data} --configs=a.py,b.py")
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}", flush=True)
     if argv[1] == "data":
         bench_data(FLAGS.configs[0])
         return
-    results = []
-    for path in FLAGS.configs:
-        results.append(bench_train(path))
-        print(json.dumps(results[-1]), flush=True)
-    base = results[0]
-    header = f"{'step ms':>9} {'tok/s':>12} {'MFU':>7} {'compile s':>10} {'speed vs first':>15}"
-    print(f"\n{'config':36} {header}")
+    results = bench_train(FLAGS.configs)
+    for result in results:
+        print(json.dumps(result), flush=True)
+    header = (
+        f"{'mb':>3} {'step ms':>9} {'opt ms':>8} {'fb ms/mb':>9} {'tok/s':>10} "
+        f"{'MFU fb':>7} {'MFU':>6} {'GiB':>7} {'ratio (min-max)':>20}"
+    )
+    print(f"\n{'config':34} {header}")
     for r in results:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        ratio = r["step_time_ratio_vs_first"]
+        spread = f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
         print(
-            f"{r['config']:36} {r['step_ms']:9.1f} {r['tokens_per_sec']:12,.0f} {mfu:>7} "
-            f"{r['compile_s']:10.1f} {r['tokens_per_sec'] / base['tokens_per_sec']:15.3f}"
+            f"{r['config']:34} {r['micro_batches']:3d} {r['step_ms']:9.1f} "
+            f"{r['optimizer_ms']:8.1f} {r['fwd_bwd_ms_per_micro_batch']:9.1f} "
+            f"{r['tokens_per_sec']:10,.0f} {percent(r['mfu_fwd_bwd']):>7} "
+            f"{percent(r['mfu_step']):>6} {r['peak_memory_gib'] or 0:7.2f} {spread:>20}"
         )
+    print("ratio: step time / the first config's step time, per interleaved repetition")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(results, f, indent=2)
+        atomic_write_json(FLAGS.json_out, results)
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def atomic_write_json(path: str, value: Any) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from bov_jax import cli
+from bov_jax import cli, xla_flags
 
 config_flags.DEFINE_config_file(
     "config",
@@ -111,6 +111,7 @@ def main(argv: list[str]) -> None:
     for name in ("config", "workdir"):
         if not FLAGS[name].present:
             raise app.UsageError(f"--{name} is required (--help explains the flags)")
+    xla_flags.set_gpu_flags()  # before the backend starts
     initialize_distributed()
     configure_logging()
     from bov_jax.train.loop import run

@@ -54,7 +54,6 @@ def evaluate_workdir(workdir: str, eval_tokens: int, batch_rows: int) -> dict:
 
     from bov_jax.data.pipeline import make_batch_iterator
     from bov_jax.evals.loading import load_model_and_tokenizer
-    from bov_jax.model.gpt import cross_entropy
 
     model, tokenizer, config = load_model_and_tokenizer(workdir)
     graphdef, params = nnx.split(model)
@@ -62,7 +61,7 @@ def evaluate_workdir(workdir: str, eval_tokens: int, batch_rows: int) -> dict:
 
     @jax.jit
     def step(p, inputs, targets, token_bytes):
-        per_token = cross_entropy(nnx.merge(graphdef, p)(inputs), targets, reduction="none")
+        per_token = nnx.merge(graphdef, p).loss(inputs, targets, reduction="none")
         return bpb_sums(per_token, targets, token_bytes)
 
     batches = make_batch_iterator(

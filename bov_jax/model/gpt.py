@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from bov_jax.model import layers
+from bov_jax.model import layers, loss
 from bov_jax.model.spec import ModelSpec
+from bov_jax.model.tables import Table
 from bov_jax.model.values import GATE_CHANNELS
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -56,10 +57,10 @@ def dense(
     )
 
 
-def table(spec: ModelSpec, values: jax.Array, axes: tuple) -> nnx.Embed:
-    """An nnx.Embed holding the given (rows, features) values."""
+def table(spec: ModelSpec, values: jax.Array, axes: tuple) -> Table:
+    """A token-id table holding the given (rows, features) values."""
     rows, features = values.shape
-    return nnx.Embed(
+    return Table(
         rows,
         features,
         embedding_init=nnx.with_partitioning(lambda *_: values.astype(spec.param_dtype), axes),
@@ -84,7 +85,7 @@ class ValueContext(NamedTuple):
 class ValuePath(nnx.Module):
     """Forms one layer's values (B, T, K); see bov_jax/model/values.py."""
 
-    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: nnx.Embed | None):
+    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: Table | None):
         vp = spec.value_path
         self.vp = vp
         self.is_target = layer in spec.targets
@@ -127,8 +128,13 @@ class ValuePath(nnx.Module):
             "residual": lambda: self.c_v(x),
             "x0": lambda: self.c_v(ctx.x0n),
             "v1": lambda: ctx.v1,
-            "bank": lambda: self.bank(ctx.token_ids),
+            "bank": lambda: self.bank_lookup(ctx.token_ids),
         }[self.vp.source]()
+
+    def bank_lookup(self, token_ids: jax.Array) -> jax.Array:
+        """The bank rows of the ids: (B, T) -> (B, T, K)."""
+        with jax.named_scope("bank"):
+            return self.bank(token_ids)
 
     def replace_coef(self) -> jax.Array | float:
         return {
@@ -158,7 +164,7 @@ class ValuePath(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: nnx.Embed | None):
+    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: Table | None):
         s = spec.init_bound
         self.n_head, self.head_dim = spec.n_head, spec.head_dim
         self.qk_scale = spec.qk_scale
@@ -187,10 +193,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x, ctx: ValueContext, cos, sin) -> tuple[jax.Array, jax.Array]:
         """x: (B, T, D) normed input -> (out (B, T, D), values (B, T, K))."""
-        q, k = self.queries_keys(x, cos, sin)
-        v = self.value(x, ctx)
-        y = layers.attention(q, k, self.heads(v), window=self.window, implementation=self.impl)
-        return self.output(y), v
+        with jax.named_scope("attn"):
+            q, k = self.queries_keys(x, cos, sin)
+            v = self.value(x, ctx)
+            y = layers.attention(q, k, self.heads(v), window=self.window, implementation=self.impl)
+            return self.output(y), v
 
 
 class MLP(nnx.Module):
@@ -207,11 +214,12 @@ class MLP(nnx.Module):
         self.c_proj = dense(spec, hidden, spec.d_model, zeros, ("mlp", "embed"), keys["c_fc"])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
+        with jax.named_scope("mlp"):
+            return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
 
 
 class Block(nnx.Module):
-    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: nnx.Embed | None):
+    def __init__(self, spec: ModelSpec, layer: int, keys: dict, bank: Table | None):
         self.attn = Attention(spec, layer, keys, bank)
         self.mlp = MLP(spec, keys)
 
@@ -264,7 +272,8 @@ class GPT(nnx.Module):
         cap = self.spec.logit_softcap
         return cap * jnp.tanh(logits / cap)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """(B, T) -> the final residual stream (B, T, D), before the last norm."""
         x = self.smear(self.embed(tokens))
         ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
         cos, sin = layers.rotary_tables(
@@ -274,10 +283,32 @@ class GPT(nnx.Module):
             x, v = block(x, ctx, cos, sin)
             if i == 0:
                 ctx = ctx._replace(v1=v)
-        return self.logits(x)
+        return x
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.logits(self.hidden(tokens))
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, reduction: str = "mean") -> jax.Array:
+        """Cross-entropy in nats of the next-token targets (B, T), -1 ignored, computed over
+        chunks of tokens without the full logits (bov_jax/model/loss.py): a scalar mean over
+        valid targets, or per-token nats (B, T) (0 where ignored) when reduction == "none".
+        Equal to cross_entropy(self(tokens), targets, reduction)."""
+        h = layers.rms_norm(self.hidden(tokens)).astype(self.spec.compute_dtype)
+        args = (
+            h,
+            self.lm_head.kernel[...],
+            targets,
+            self.spec.vocab_size,
+            self.spec.logit_softcap,
+            self.spec.loss_chunk_tokens,
+        )
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"reduction={reduction!r}; expected 'mean' or 'none'")
+        with jax.named_scope("loss"):
+            return loss.token_nll(*args) if reduction == "none" else loss.mean_nll(*args)
 
 
-def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> dict[int, nnx.Embed]:
+def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> dict[int, Table]:
     """The value tables of the target layers, keyed by layer (one object when shared).
 
     Aligned init (spec 2.3): E_l[t] = rmsnorm(wte[t]) @ W_V^l in fp32, where W_V^l is the
@@ -289,7 +320,7 @@ def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> d
         return {}
     s = spec.init_bound
 
-    def new_bank(layer: int) -> nnx.Embed:
+    def new_bank(layer: int) -> Table:
         keys = layer_keys(blocks_key, layer)
         if vp.bank_init == "uniform":
             values = uniform(s)(keys["bank"], (spec.padded_vocab, spec.kv_dim), jnp.float32)

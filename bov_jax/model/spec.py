@@ -48,6 +48,7 @@ class ModelSpec:
     compute_dtype: Any
     attention_impl: str
     value_path: ValuePathSpec
+    loss_chunk_tokens: int
 
     @property
     def kv_dim(self) -> int:
@@ -65,7 +66,15 @@ class ModelSpec:
     @classmethod
     def from_config(cls, m: Any) -> ModelSpec:
         """Resolve `config.model`; raises ValueError naming the offending key."""
-        for key in ("depth", "aspect_ratio", "head_dim", "vocab_size", "pad_vocab_to", "seq_len"):
+        for key in (
+            "depth",
+            "aspect_ratio",
+            "head_dim",
+            "vocab_size",
+            "pad_vocab_to",
+            "seq_len",
+            "loss_chunk_tokens",
+        ):
             if int(m[key]) <= 0:
                 raise ValueError(f"model.{key}={m[key]}; expected a positive integer")
         if m.model_dim < 0 or m.model_dim % m.head_dim:
@@ -120,6 +129,7 @@ class ModelSpec:
             compute_dtype=DTYPES[resolve_auto("compute_dtype", m.compute_dtype)],
             attention_impl=resolve_auto("attention_impl", m.attention_impl),
             value_path=ValuePathSpec.from_config(m.value_path),
+            loss_chunk_tokens=m.loss_chunk_tokens,
         )
 
 

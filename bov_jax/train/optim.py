@@ -256,6 +256,14 @@ def _muon_leaf(
     return update.astype(param.dtype), momentum_buf, second_moment
 
 
+def _same_shape_groups(leaves: list[jax.Array]) -> list[list[int]]:
+    """Indices of the leaves grouped by (shape, dtype), in first-seen order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault((leaf.shape, jnp.dtype(leaf.dtype)), []).append(i)
+    return list(groups.values())
+
+
 def nanochat_muon(
     learning_rate: Schedule,
     momentum: Schedule,
@@ -266,6 +274,9 @@ def nanochat_muon(
     sharding: jax.sharding.Sharding | None = None,
 ) -> optax.GradientTransformation:
     """The reference Muon (see the module docstring) for Flax (..., fan_in, fan_out) kernels.
+
+    Same-shape matrices are stacked and updated together, one batched Polar Express per
+    shape group (as the reference's stacked update); the state stays one leaf per parameter.
 
     The schedules map the 0-based step to the group lr (lrm included, shape factor not),
     the momentum and the cautious weight decay. The returned updates include -lr and the
@@ -299,16 +310,20 @@ def nanochat_muon(
             ns_steps=ns_steps,
             sharding=sharding,
         )
-        out = jax.tree.map(
-            lambda g, buf, buf2, p: _muon_leaf(g, buf, buf2, p, **hyper),
-            updates,
-            state.momentum,
-            state.second_moment,
-            params,
-        )
+        leaves, treedef = jax.tree.flatten(updates)
+        columns = [leaves] + [
+            treedef.flatten_up_to(tree) for tree in (state.momentum, state.second_moment, params)
+        ]
+        outs: list[list[jax.Array]] = [[] for _ in leaves]
+        for group in _same_shape_groups(leaves):
+            with jax.named_scope("muon"):
+                stacked = [jnp.stack([column[i] for i in group]) for column in columns]
+                results = _muon_leaf(*stacked, **hyper)
+            for j, i in enumerate(group):
+                outs[i] = [r[j] for r in results]
 
-        def pick(i: int) -> optax.Updates:
-            return jax.tree.map(lambda _, leaf_out: leaf_out[i], updates, out)
+        def pick(k: int) -> optax.Updates:
+            return jax.tree.unflatten(treedef, [out[k] for out in outs])
 
         return pick(0), MuonState(optax.safe_increment(step), pick(1), pick(2))
 
@@ -356,11 +371,22 @@ def build_optimizer(
         else:
             betas_key, wd_key = _ADAMW_KEYS[group]
             b1, b2 = getattr(optim_cfg, betas_key)
-            transforms[group] = optax.adamw(
+            adamw = optax.adamw(
                 lrs[group],
                 b1=b1,
                 b2=b2,
                 eps=optim_cfg.adam_eps,
                 weight_decay=getattr(optim_cfg, wd_key) if wd_key else 0.0,
             )
+            transforms[group] = named_scope("adamw", adamw)
     return optax.multi_transform(transforms, param_labels)
+
+
+def named_scope(name: str, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` with its update traced under jax.named_scope(name) (profiles group ops by it)."""
+
+    def update(updates, state, params=None):
+        with jax.named_scope(name):
+            return tx.update(updates, state, params)
+
+    return optax.GradientTransformation(tx.init, update)

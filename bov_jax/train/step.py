@@ -22,13 +22,12 @@ from flax import nnx
 
 from bov_jax import sharding
 from bov_jax.evals.bpb import bpb_sums
-from bov_jax.model.gpt import cross_entropy
 from bov_jax.train.state import TrainState, all_finite
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: jax.Array):
     """Mean cross-entropy of one micro-batch: inputs, targets (rows, T)."""
-    return cross_entropy(nnx.merge(graphdef, params)(inputs), targets)
+    return nnx.merge(graphdef, params).loss(inputs, targets)
 
 
 def accumulate_gradients(graphdef, params, inputs, targets) -> tuple[jax.Array, Any]:
@@ -89,8 +88,8 @@ def make_eval_step(
     """eval_step(params, batch (rows, T), token_bytes (V,)) -> (sum nats, sum bytes)."""
 
     def eval_step(params, batch, token_bytes):
-        logits = nnx.merge(graphdef, params)(batch["inputs"])
-        per_token = cross_entropy(logits, batch["targets"], reduction="none")
+        model = nnx.merge(graphdef, params)
+        per_token = model.loss(batch["inputs"], batch["targets"], reduction="none")
         return bpb_sums(per_token, batch["targets"], token_bytes)
 
     batch_sh = sharding.batch_sharding(mesh)

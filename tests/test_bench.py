@@ -1,0 +1,111 @@
+"""`python -m bov_jax.bench train` on a tiny config: every reported field, the JSON file."""
+
+import json
+
+from absl import flags
+
+from bov_jax import bench
+
+TINY_CONFIG = """
+import jax
+
+from bov_jax.presets import config_for
+
+
+def get_config(preset="d12_bov"):
+    config = config_for(preset)
+    config.model.update(depth=2, model_dim=64, head_dim=32, vocab_size=512, seq_len=32,
+                        short_window=8)
+    config.train.device_batch_size = 1
+    # three micro-batches of one row per device
+    config.train.total_batch_tokens = 3 * jax.device_count() * 32
+    return config
+"""
+
+FIELDS = (
+    "micro_batches",
+    "step_ms",
+    "optimizer_ms",
+    "fwd_bwd_ms_per_micro_batch",
+    "tokens_per_sec",
+    "mfu_fwd_bwd",
+    "mfu_step",
+    "peak_memory_gib",
+    "step_time_ratio_vs_first",
+)
+
+
+def test_bench_train_reports_every_field_for_both_configs(tmp_path, capsys):
+    config = tmp_path / "tiny.py"
+    config.write_text(TINY_CONFIG)
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        f"--configs={config}:d12,{config}",
+        "--steps=1",
+        "--reps=2",
+        f"--json_out={out}",
+    ]
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(argv)
+    try:
+        bench.main(["bench", "train"])
+    finally:
+        flags.FLAGS.unparse_flags()
+    results = json.loads(out.read_text())
+    assert [r["config"] for r in results] == [f"{config}:d12", str(config)]
+    for r in results:
+        for field in FIELDS:
+            assert field in r, field
+        assert r["micro_batches"] == 3  # what the config's total batch needs
+        assert r["token_ids"] == "corpus"
+        assert r["step_ms"] > 0 and r["optimizer_ms"] > 0 and r["fwd_bwd_ms_per_micro_batch"] > 0
+        assert r["mfu_step"] is None and r["mfu_fwd_bwd"] is None  # no known peak on CPU
+        assert r["peak_memory_gib"] > 0
+        assert len(r["step_ms_reps"]) == 2
+    assert results[0]["step_time_ratio_vs_first"]["median"] == 1.0
+    printed = capsys.readouterr().out
+    assert f"{config}:d12" in printed and "ratio" in printed
+
+
+def test_gpu_flags_keep_flags_already_given():
+    from bov_jax.xla_flags import GPU_FLAGS, set_gpu_flags, with_gpu_flags
+
+    given = "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x"
+    merged = with_gpu_flags(given).split()
+    assert merged[:2] == given.split()
+    assert "--xla_gpu_enable_triton_gemm=false" not in merged
+    assert set(GPU_FLAGS[:2]) <= set(merged)
+    environ = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": given}
+    set_gpu_flags(environ)  # not a GPU platform: unchanged
+    assert environ["XLA_FLAGS"] == given
+
+
+def test_profile_times_ops_by_category_and_scope(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from bov_jax import profile
+
+    @jax.jit
+    def f(x, w, ids):
+        with jax.named_scope("mlp"):
+            y = jnp.tanh(x @ w)
+        with jax.named_scope("bank"):
+            rows = jnp.take(w, ids, axis=0)
+        return (y @ w.T).sum() + rows.sum()
+
+    args = (jnp.ones((256, 256)), jnp.ones((256, 256)), jnp.arange(64) % 7)
+    compiled = f.lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            jax.block_until_ready(compiled(*args))
+    hlo = compiled.as_text()
+    module = hlo.split(",", 1)[0].removeprefix("HloModule ").strip()
+    times = profile.op_times(str(tmp_path), module)
+    by_category, by_scope = profile.breakdown(hlo, times)
+    assert sum(by_category.values()) == sum(by_scope.values()) == sum(times.values()) > 0
+    assert by_category["matmul"] > 0 and by_scope["mlp"] > 0
+    ops = profile.classify_ops(hlo)
+    assert any(category == "matmul" and scope == "mlp" for category, scope in ops.values())
