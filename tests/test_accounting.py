@@ -130,8 +130,9 @@ def test_analytic_flops_agree_with_xla_cost_analysis(name):
     from bov_jax.accounting import xla_cross_check
 
     config = config_for(name)
-    config.model.update(depth=3, model_dim=256, head_dim=64, vocab_size=512, seq_len=128,
-                        window_pattern="L")
+    config.model.update(
+        depth=3, model_dim=256, head_dim=64, vocab_size=512, seq_len=128, window_pattern="L"
+    )
     check = xla_cross_check(config)
     assert check["analytic_with_full_attention"] == check["analytic_flops_per_token"]
     assert abs(check["xla_over_comparable"] - 1) < 0.02, check
