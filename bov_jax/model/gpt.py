@@ -57,14 +57,14 @@ def dense(
 
 
 def table(spec: ModelSpec, values: jax.Array, axes: tuple) -> nnx.Embed:
-    """An nnx.Embed holding the given (rows, features) values."""
+    """An nnx.Embed holding the given (rows, features) values, stored in spec.table_dtype."""
     rows, features = values.shape
     return nnx.Embed(
         rows,
         features,
-        embedding_init=nnx.with_partitioning(lambda *_: values.astype(spec.param_dtype), axes),
+        embedding_init=nnx.with_partitioning(lambda *_: values.astype(spec.table_dtype), axes),
         dtype=spec.compute_dtype,
-        param_dtype=spec.param_dtype,
+        param_dtype=spec.table_dtype,
         rngs=nnx.Rngs(0),
     )
 
