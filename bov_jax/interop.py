@@ -246,6 +246,8 @@ def config_from_meta(meta: dict, table_dtype: str, source: Path) -> ml_collectio
     if missing:
         raise cli.UserError(f"{source}: model_config lacks {', '.join(missing)}")
     n_embd, n_head = int(model_cfg["n_embd"]), int(model_cfg["n_head"])
+    if int(model_cfg.get("n_kv_head", n_head)) != n_head:
+        raise cli.UserError(f"{source}: n_kv_head != n_head (GQA) is not supported")
     config = config_for(preset_for(meta["model_type"], int(model_cfg["n_layer"])))
     config.model.update(
         depth=int(model_cfg["n_layer"]),

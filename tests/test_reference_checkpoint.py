@@ -285,3 +285,21 @@ def test_export_writes_what_import_reads(authors_checkpoint, tmp_path):
         authors_checkpoint / "tokenizer.pkl"
     ).read_bytes()
     jax.clear_caches()
+
+
+def test_bad_checkpoint_directories_are_named(authors_checkpoint, tmp_path):
+    from bov_jax.cli import UserError
+    from bov_jax.interop import checkpoint_files, config_from_meta
+
+    with pytest.raises(UserError, match=rf"{tmp_path} holds no model_<step>.pt"):
+        checkpoint_files(tmp_path, None)
+    with pytest.raises(UserError, match="meta_000003.json not found"):
+        (tmp_path / "model_000003.pt").write_bytes(b"")
+        checkpoint_files(tmp_path, None)
+    meta = json.loads((authors_checkpoint / "meta_000007.json").read_text())
+    with pytest.raises(UserError, match="model_type='gpt_made_up' is unknown"):
+        config_from_meta({**meta, "model_type": "gpt_made_up"}, "float32", Path("meta.json"))
+    del meta["model_config"]["n_layer"]
+    with pytest.raises(UserError, match="meta.json: model_config lacks n_layer"):
+        config_from_meta(meta, "float32", Path("meta.json"))
+    assert checkpoint_files(authors_checkpoint, None)[0] == 7
