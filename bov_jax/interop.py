@@ -303,8 +303,14 @@ def import_checkpoint(
     tensors = read_state_dict(model_file)
     wte = tensors.get("transformer.wte.weight")
     table_dtype = "bfloat16" if wte is not None and wte.dtype == ml_dtypes.bfloat16 else "float32"
-    config = config_from_meta(json.loads(meta_file.read_text()), table_dtype, meta_file)
-    vocab = load_tiktoken(tokenizer_file).vocab_size
+    try:
+        meta = json.loads(meta_file.read_text())
+        vocab = load_tiktoken(tokenizer_file).vocab_size
+    except ValueError as err:  # JSONDecodeError, DataError: both name their file
+        raise cli.UserError(
+            f"{meta_file}: {err}" if isinstance(err, json.JSONDecodeError) else str(err)
+        ) from err
+    config = config_from_meta(meta, table_dtype, meta_file)
     if vocab != config.model.vocab_size:
         raise cli.UserError(
             f"tokenizer {tokenizer_file} has {vocab} tokens but {meta_file} says vocab_size "
