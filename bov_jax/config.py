@@ -81,6 +81,9 @@ def default_config() -> ml_collections.ConfigDict:
     # (Pallas) kernel on TPUs, XLA on CPUs.
     m.compute_dtype = "auto"
     m.attention_impl = "auto"  # auto | xla | cudnn | splash
+    # Storage dtype of wte and the value banks, and of their AdamW moments and update math
+    # (spec 1.5): "auto" is bfloat16 on accelerators like the reference, float32 on CPU.
+    m.table_dtype = "auto"  # auto | float32 | bfloat16
     m.value_path = value_path_config()
 
     o = c.optim = ml_collections.ConfigDict()

@@ -1,4 +1,19 @@
-"""Exchange parameters with the authors' PyTorch code as .npz files of state-dict tensors.
+"""Exchange parameters with the authors' PyTorch code: their checkpoints, or .npz files.
+
+    python -m bov_jax.interop import --checkpoint_dir=DIR [--step=N] [--tokenizer=PATH] \
+        [--data_dir=DIR] --workdir=OUT
+    python -m bov_jax.interop export --workdir=RUN [--step=N] --out=DIR
+
+`import` reads the authors' checkpoint directory (spec 9.2: model_{step:06d}.pt and
+meta_{step:06d}.json, with tokenizer.pkl beside them unless --tokenizer names it) without
+torch and without running anything its pickles name (bov_jax/torch_format.py,
+bov_jax/data/tiktoken_tokenizer.py). meta's model_type picks the preset (value path) and
+model_config the sizes; OUT becomes a normal workdir (config.json, an Orbax checkpoint at
+the same step with a fresh optimizer state, tokenizer/tokenizer.pkl), so evals.bpb,
+evals.core and sample run on it. The tables keep the checkpoint's dtype (model.table_dtype).
+BPB uses --data_dir's val split (default: the embedded corpus), encoded on the fly.
+`export` writes the reverse, a .pt in the same format (wte and value tables bf16, the rest
+fp32, as the reference stores them) with its meta json, and copies a tiktoken tokenizer.
 
 Name mapping (torch Linear weights are (out, in); Flax kernels are (in, out), so every
 `*.weight` of a Linear is transposed; embedding tables are not):
@@ -24,15 +39,31 @@ names can be renamed with `rename=` before import.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import ml_collections
+import ml_dtypes
 import numpy as np
+from absl import flags
 from flax import nnx
 
+from bov_jax import cli, sharding
+from bov_jax.accounting import training_plan
+from bov_jax.data.tiktoken_tokenizer import PICKLE_FILE, load_tiktoken
 from bov_jax.model.gpt import GPT
+from bov_jax.model.spec import ModelSpec
+from bov_jax.model.values import ValuePathSpec
+from bov_jax.presets import PRESETS, config_for
+from bov_jax.torch_format import read_state_dict, write_state_dict
 
 
 def _mapping(model: GPT) -> Iterator[tuple[str, tuple, bool]]:
@@ -86,8 +117,9 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def export_npz(model: GPT, path: str) -> None:
-    """Write the model's parameters as reference-named tensors (atomic)."""
+def state_dict(model: GPT) -> dict[str, np.ndarray]:
+    """The model's parameters as reference-named arrays (torch orientation, stored dtypes);
+    dead value projections are zeros (fp32) so the authors' strict loader accepts them."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     arrays = {}
     for name, ours, transposed in _mapping(model):
@@ -96,19 +128,14 @@ def export_npz(model: GPT, path: str) -> None:
     spec = model.spec
     for name in _dead_value_projections(model):
         arrays[name] = np.zeros((spec.kv_dim, spec.d_model), np.float32)
-    directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile(dir=directory, suffix=".npz", delete=False) as tmp:
-        np.savez(tmp, **arrays)
-    os.replace(tmp.name, path)
+    return arrays
 
 
-def import_npz(model: GPT, path: str, rename: dict[str, str] | None = None) -> None:
-    """Load reference-named tensors into `model` in place.
+def load_state_dict(model: GPT, arrays: dict[str, np.ndarray], source: str) -> None:
+    """Load reference-named arrays into `model` in place, cast to its parameters' dtypes.
 
-    Raises ValueError naming the file and every missing, unexpected or mis-shaped tensor.
+    Raises ValueError naming `source` and every missing, unexpected or mis-shaped tensor.
     """
-    with np.load(path) as f:
-        arrays = {(rename or {}).get(k, k): f[k] for k in f.files}
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     problems, used = [], set()
     for name, ours, transposed in _mapping(model):
@@ -128,7 +155,255 @@ def import_npz(model: GPT, path: str, rename: dict[str, str] | None = None) -> N
     if unexpected:
         problems.append(f"unexpected {', '.join(unexpected)}")
     if problems:
-        raise ValueError(f"{path}: does not match this model's config: " + "; ".join(problems))
+        raise ValueError(f"{source}: does not match this model's config: " + "; ".join(problems))
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
+
+
+def export_npz(model: GPT, path: str) -> None:
+    """Write the model's parameters as reference-named tensors (atomic)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    # .npz has no bf16: bf16 tables are written as the fp32 numbers they hold (exact).
+    arrays = {
+        name: value.astype(np.float32) if value.dtype == ml_dtypes.bfloat16 else value
+        for name, value in state_dict(model).items()
+    }
+    with tempfile.NamedTemporaryFile(dir=directory, suffix=".npz", delete=False) as tmp:
+        np.savez(tmp, **arrays)
+    os.replace(tmp.name, path)
+
+
+def import_npz(model: GPT, path: str, rename: dict[str, str] | None = None) -> None:
+    """Load reference-named tensors from an .npz into `model` in place (see load_state_dict)."""
+    with np.load(path) as f:
+        arrays = {(rename or {}).get(k, k): f[k] for k in f.files}
+    load_state_dict(model, arrays, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The authors' checkpoint directories (spec 9.2)
+
+_MODEL_FILE = re.compile(r"model_(\d{6,})\.pt")
+_MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")
+_TABLES = re.compile(r"transformer\.wte\.weight|value_embeds\.\d+\.weight")
+
+
+class _NoDataStreams:
+    """An imported checkpoint has no data position."""
+
+    count = 0
+    iterators: dict = {}
+
+
+def checkpoint_files(checkpoint_dir: Path, step: int | None) -> tuple[int, Path, Path]:
+    """(step, model_*.pt, meta_*.json) of `step`, or of the latest step in the directory."""
+    if not checkpoint_dir.is_dir():
+        raise cli.UserError(f"--checkpoint_dir={checkpoint_dir} is not a directory")
+    if step is None:
+        steps = [
+            int(m[1]) for p in checkpoint_dir.iterdir() if (m := _MODEL_FILE.fullmatch(p.name))
+        ]
+        if not steps:
+            raise cli.UserError(f"{checkpoint_dir} holds no model_<step>.pt checkpoint")
+        step = max(steps)
+    model, meta = (
+        checkpoint_dir / f"{kind}_{step:06d}{ext}"
+        for kind, ext in (("model", ".pt"), ("meta", ".json"))
+    )
+    for path in (model, meta):
+        if not path.is_file():
+            raise cli.UserError(f"{path} not found (step {step} of {checkpoint_dir})")
+    return step, model, meta
+
+
+def preset_for(model_type: str, depth: int) -> str:
+    """Our preset for the reference's --model-type (the one of that depth if there is one)."""
+    names = [name for name, p in PRESETS.items() if p.reference == model_type]
+    if not names:
+        known = sorted({p.reference for p in PRESETS.values()})
+        raise cli.UserError(f"meta model_type={model_type!r} is unknown; known: {', '.join(known)}")
+    return next((n for n in names if PRESETS[n].depth == depth), names[0])
+
+
+def reference_model_type(config: ml_collections.ConfigDict) -> str:
+    """The reference --model-type whose value path is this config's."""
+    value_path = ValuePathSpec.from_config(config.model.value_path)
+    for preset in PRESETS.values():
+        if preset.value_path == value_path:
+            return preset.reference
+    raise cli.UserError(
+        f"model.value_path {dataclasses.asdict(value_path)} is none of the reference's model types"
+    )
+
+
+def config_from_meta(meta: dict, table_dtype: str, source: Path) -> ml_collections.ConfigDict:
+    """Our config for the authors' meta json (model_type, model_config)."""
+    model_cfg = meta.get("model_config")
+    if not isinstance(model_cfg, dict) or "model_type" not in meta:
+        raise cli.UserError(f"{source}: expected the keys model_type and model_config")
+    missing = [k for k in _MODEL_CONFIG_KEYS if k not in model_cfg]
+    if missing:
+        raise cli.UserError(f"{source}: model_config lacks {', '.join(missing)}")
+    n_embd, n_head = int(model_cfg["n_embd"]), int(model_cfg["n_head"])
+    if int(model_cfg.get("n_kv_head", n_head)) != n_head:
+        raise cli.UserError(f"{source}: n_kv_head != n_head (GQA) is not supported")
+    config = config_for(preset_for(meta["model_type"], int(model_cfg["n_layer"])))
+    config.model.update(
+        depth=int(model_cfg["n_layer"]),
+        model_dim=n_embd,
+        head_dim=n_embd // n_head,
+        vocab_size=int(model_cfg["vocab_size"]),
+        seq_len=int(model_cfg["sequence_len"]),
+        window_pattern=str(model_cfg.get("window_pattern", config.model.window_pattern)),
+        table_dtype=table_dtype,
+    )
+    return config
+
+
+def meta_from_config(config: ml_collections.ConfigDict, step: int) -> dict:
+    """The authors' meta json (spec 9.2) for a model of this config."""
+    spec = ModelSpec.from_config(config.model)
+    window = config.model.window_pattern
+    return dict(
+        step=step,
+        val_bpb=None,
+        model_type=reference_model_type(config),
+        model_config=dict(
+            sequence_len=spec.seq_len,
+            vocab_size=spec.vocab_size,
+            n_layer=spec.n_layer,
+            n_head=spec.n_head,
+            n_kv_head=spec.n_head,
+            n_embd=spec.d_model,
+            window_pattern=window,
+        ),
+        user_config={"exported_from": "bov_jax", "name": config.name},
+        max_seq_len=spec.seq_len,
+    )
+
+
+def import_checkpoint(
+    checkpoint_dir: str | Path,
+    workdir: str | Path,
+    step: int | None = None,
+    tokenizer: str | Path | None = None,
+    data_dir: str | Path | None = None,
+) -> int:
+    """Turn the authors' checkpoint into a bov_jax workdir (see the module doc); its step."""
+    from bov_jax.train.checkpoint import Checkpoints
+    from bov_jax.train.loop import write_json_atomic
+    from bov_jax.train.state import create_train_state
+
+    checkpoint_dir, workdir = Path(checkpoint_dir), Path(workdir)
+    step, model_file, meta_file = checkpoint_files(checkpoint_dir, step)
+    tokenizer_file = Path(tokenizer) if tokenizer else checkpoint_dir / PICKLE_FILE
+    if not tokenizer_file.is_file():
+        raise cli.UserError(f"tokenizer {tokenizer_file} not found; pass --tokenizer=PATH")
+    tensors = read_state_dict(model_file)
+    wte = tensors.get("transformer.wte.weight")
+    table_dtype = "bfloat16" if wte is not None and wte.dtype == ml_dtypes.bfloat16 else "float32"
+    try:
+        meta = json.loads(meta_file.read_text())
+        vocab = load_tiktoken(tokenizer_file).vocab_size
+    except ValueError as err:  # JSONDecodeError, DataError: both name their file
+        raise cli.UserError(
+            f"{meta_file}: {err}" if isinstance(err, json.JSONDecodeError) else str(err)
+        ) from err
+    config = config_from_meta(meta, table_dtype, meta_file)
+    if vocab != config.model.vocab_size:
+        raise cli.UserError(
+            f"tokenizer {tokenizer_file} has {vocab} tokens but {meta_file} says vocab_size "
+            f"{config.model.vocab_size}"
+        )
+    (workdir / "tokenizer").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tokenizer_file, workdir / "tokenizer" / PICKLE_FILE)
+    config.data.tokenizer_dir = str((workdir / "tokenizer" / PICKLE_FILE).absolute())
+    config.data.use_cache = False
+    if data_dir:
+        config.data.data_dir = str(Path(data_dir).absolute())
+    config.mesh.update(data=1, fsdp=1, tensor=1)
+
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+    graphdef, state, _, _ = create_train_state(config, training_plan(config), mesh)
+    model = nnx.merge(graphdef, state.params)
+    try:
+        load_state_dict(model, tensors, str(model_file))
+    except ValueError as err:
+        raise cli.UserError(str(err)) from err
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = state._replace(step=jnp.asarray(step, jnp.int32), params=params)
+    config_dict = json.loads(config.to_json_best_effort())
+    checkpoints = Checkpoints(workdir, keep=1, async_save=False)
+    try:
+        checkpoints.save(step, state, _NoDataStreams(), config_dict)
+    finally:
+        checkpoints.close()
+    write_json_atomic(workdir / "config.json", config_dict)
+    return step
+
+
+def export_checkpoint(workdir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
+    """Write a workdir's checkpoint as the authors' model_*.pt + meta_*.json; the .pt path."""
+    from bov_jax.evals.loading import load_model_and_tokenizer
+    from bov_jax.train.checkpoint import Checkpoints
+
+    if step is None:
+        checkpoints = Checkpoints(workdir, keep=10**6, async_save=False)
+        try:
+            step = checkpoints.latest_step()
+        finally:
+            checkpoints.close()
+        if step is None:
+            raise cli.UserError(f"{workdir} holds no checkpoint")
+    model, tokenizer, config = load_model_and_tokenizer(workdir, step)
+    tensors = {
+        name: value.astype(ml_dtypes.bfloat16) if _TABLES.fullmatch(name) else value
+        for name, value in state_dict(model).items()
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_file = out_dir / f"model_{step:06d}.pt"
+    write_state_dict(model_file, tensors)
+    meta = json.dumps(meta_from_config(config, step), indent=2)
+    with tempfile.NamedTemporaryFile("w", dir=out_dir, suffix=".tmp", delete=False) as tmp:
+        tmp.write(meta)
+    os.replace(tmp.name, out_dir / f"meta_{step:06d}.json")
+    if Path(tokenizer.path).suffix == ".pkl":
+        shutil.copyfile(tokenizer.path, out_dir / PICKLE_FILE)
+    return model_file
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The CLI's flags (defined only when run, so that importing this module defines none)."""
+    flags.DEFINE_string("checkpoint_dir", None, "import: the authors' checkpoint directory")
+    flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
+    flags.DEFINE_string("tokenizer", None, "import: tokenizer.pkl (default: CHECKPOINT_DIR's)")
+    flags.DEFINE_string("data_dir", None, "import: corpus for evals.bpb (default: embedded)")
+    flags.DEFINE_string("workdir", None, "import: the workdir to create; export: the run")
+    flags.DEFINE_string("out", None, "export: directory for model_*.pt, meta_*.json")
+
+
+def main(argv: list[str]) -> None:
+    command = argv[1:] or [""]
+    if command[0] == "import" and len(command) == 1:
+        if not (FLAGS.checkpoint_dir and FLAGS.workdir):
+            raise cli.UserError("import needs --checkpoint_dir and --workdir")
+        step = import_checkpoint(
+            FLAGS.checkpoint_dir, FLAGS.workdir, FLAGS.step, FLAGS.tokenizer, FLAGS.data_dir
+        )
+        print(f"imported step {step} of {FLAGS.checkpoint_dir} into {FLAGS.workdir}")
+    elif command[0] == "export" and len(command) == 1:
+        if not (FLAGS.workdir and FLAGS.out):
+            raise cli.UserError("export needs --workdir and --out")
+        print(f"wrote {export_checkpoint(FLAGS.workdir, FLAGS.out, FLAGS.step)}")
+    else:
+        raise cli.UserError(f"expected the command 'import' or 'export', got {argv[1:]}")
+
+
+if __name__ == "__main__":
+    define_flags()
+    cli.run(main)

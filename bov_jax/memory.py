@@ -111,12 +111,12 @@ def kv_cache_bytes(
 def bank_size(spec: ModelSpec, dtype: jnp.dtype | None = None) -> Held:
     """The value banks of an abstract model (a shared table once), stored in dtype.
 
-    dtype defaults to the parameter dtype; the reference keeps its tables in bf16.
+    dtype defaults to the model's table dtype (bf16 in the reference, model.table_dtype here).
     """
     model = nnx.eval_shape(lambda: GPT(spec))
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     elements = sum(var.size for path, var in flat if "bank" in path)
-    return Held(elements, elements * jnp.dtype(dtype or spec.param_dtype).itemsize)
+    return Held(elements, elements * jnp.dtype(dtype or spec.table_dtype).itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +243,9 @@ smear, and the position. The banks are counted from an abstract model (`nnx.eval
 a shared table once.
 
 Layout: {layout}.
-K, V and the banks in {dtype} (the reference stores its value tables in bf16; this port's
-default parameter dtype is fp32, which would double the bank column), batch B = {batch},
+K, V and the banks in {dtype} (the reference stores its value tables in bf16, as this port
+does on accelerators: model.table_dtype=auto; fp32 tables would double the bank column),
+batch B = {batch},
 |V| = the bank rows (the padded vocabulary).
 
 ## Eq. 6 and the measured figures

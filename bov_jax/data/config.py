@@ -28,7 +28,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     # Shard directory (ClimbMix layout: *.parquet, the last file is the val split). The default
     # is the corpus embedded in the repository (data/embedded), so nothing is downloaded.
     c.data_dir = str(EMBEDDED_DIR)
-    c.tokenizer_dir = ""  # "": DATA_DIR/tokenizer
+    # "": DATA_DIR/tokenizer. A directory, or the file itself, whose suffix names the backend:
+    # tokenizer.model (SentencePiece) or tokenizer.pkl (the reference's tiktoken pickle).
+    c.tokenizer_dir = ""
     c.use_cache = True  # read pre-tokenized ArrayRecord (built on first use) instead of encoding
     c.cache_dir = ""  # "": DATA_DIR/token_cache
     c.buffer_size = 1000  # best-fit packing buffer, in documents (spec 5.3)

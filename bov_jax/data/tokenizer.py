@@ -1,5 +1,8 @@
 """SentencePiece BPE tokenizer: training on a corpus's train shards, loading, token_bytes.
 
+`load_tokenizer` also loads the reference's tiktoken pickle (a `.pkl` file), the second
+backend, for evaluating the authors' checkpoints (see bov_jax/data/tiktoken_tokenizer.py).
+
     python -m bov_jax.data.tokenizer train --data_dir DIR --vocab_size 8192 [--out DIR/tokenizer]
 
 Layout of the vocabulary: id 0 is `<|bos|>`, ids 1-8 the other reference specials (spec 6.1,
@@ -24,6 +27,7 @@ import sentencepiece as spm
 from bov_jax import cli
 from bov_jax.data import shards
 from bov_jax.data.errors import DataError
+from bov_jax.data.tiktoken_tokenizer import PICKLE_FILE, TiktokenTokenizer, load_tiktoken
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +104,23 @@ class Tokenizer:
 
 
 def model_path(path: Path) -> Path:
-    """The model file for `path`, which names either the `.model` file or its directory."""
+    """The tokenizer file for `path`, which names the file or its directory.
+
+    The file says the backend: `.model` is SentencePiece, `.pkl` the reference's pickled
+    tiktoken Encoding (bov_jax/data/tiktoken_tokenizer.py). A directory holding no
+    tokenizer.model but a tokenizer.pkl means the latter.
+    """
     path = Path(path)
-    return path if path.suffix == ".model" else path / MODEL_FILE
+    if path.suffix in (".model", ".pkl"):
+        return path
+    if not (path / MODEL_FILE).is_file() and (path / PICKLE_FILE).is_file():
+        return path / PICKLE_FILE
+    return path / MODEL_FILE
 
 
 def load_tokenizer(
     path: Path, expected_vocab_size: int | None = None, num_threads: int = 1
-) -> Tokenizer:
+) -> Tokenizer | TiktokenTokenizer:
     """Loads a tokenizer (file or directory) and checks it against the model's vocab size."""
     file = model_path(path)
     if not file.is_file():
@@ -115,12 +128,15 @@ def load_tokenizer(
             f"tokenizer {file} does not exist (config key data.tokenizer_dir); train one with "
             "`python -m bov_jax.data.tokenizer train --data_dir DIR --vocab_size N`"
         )
-    try:
-        tokenizer = Tokenizer(file.read_bytes(), str(file), num_threads)
-    except (RuntimeError, OSError) as e:
-        raise DataError(f"tokenizer {file} is not a SentencePiece model: {e}") from e
-    if tokenizer.bos_id < 0 or tokenizer._sp.id_to_piece(tokenizer.bos_id) != BOS:
-        raise DataError(f"tokenizer {file} has no {BOS} token")
+    if file.suffix == ".pkl":
+        tokenizer = load_tiktoken(file, num_threads)
+    else:
+        try:
+            tokenizer = Tokenizer(file.read_bytes(), str(file), num_threads)
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"tokenizer {file} is not a SentencePiece model: {e}") from e
+        if tokenizer.bos_id < 0 or tokenizer._sp.id_to_piece(tokenizer.bos_id) != BOS:
+            raise DataError(f"tokenizer {file} has no {BOS} token")
     if expected_vocab_size is not None and tokenizer.vocab_size != expected_vocab_size:
         raise DataError(
             f"tokenizer {file} has vocab size {tokenizer.vocab_size} but config.model.vocab_size "

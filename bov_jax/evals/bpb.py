@@ -48,14 +48,12 @@ def bits_per_byte(sum_nats: float, sum_bytes: float) -> float:
     return float(sum_nats) / (math.log(2) * sum_bytes)
 
 
-def evaluate_workdir(workdir: str, eval_tokens: int, batch_rows: int) -> dict:
-    """Val BPB of a workdir's latest checkpoint over about `eval_tokens` val tokens."""
+def evaluate_model(model, tokenizer, config, eval_tokens: int, batch_rows: int) -> dict:
+    """Val BPB of `model` over about `eval_tokens` tokens of config.data's val split."""
     from flax import nnx
 
     from bov_jax.data.pipeline import make_batch_iterator
-    from bov_jax.evals.loading import load_model_and_tokenizer
 
-    model, tokenizer, config = load_model_and_tokenizer(workdir)
     graphdef, params = nnx.split(model)
     seq_len = config.model.seq_len
 
@@ -80,6 +78,14 @@ def evaluate_workdir(workdir: str, eval_tokens: int, batch_rows: int) -> dict:
         n, b = step(params, batch["inputs"], batch["targets"], token_bytes)
         nats, nbytes = nats + float(n), nbytes + float(b)
     return {"val_bpb": bits_per_byte(nats, nbytes), "tokens": steps * batch_rows * seq_len}
+
+
+def evaluate_workdir(workdir: str, eval_tokens: int, batch_rows: int) -> dict:
+    """Val BPB of a workdir's latest checkpoint over about `eval_tokens` val tokens."""
+    from bov_jax.evals.loading import load_model_and_tokenizer
+
+    model, tokenizer, config = load_model_and_tokenizer(workdir)
+    return evaluate_model(model, tokenizer, config, eval_tokens, batch_rows)
 
 
 def main(argv: list[str] | None = None) -> None:

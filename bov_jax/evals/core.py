@@ -482,6 +482,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.bundle_dir, tokenizer, logits_fn, args.max_per_task, tasks, args.pad_multiple
     )
     print(format_core_table(results))
+    if results["num_tasks"]:
+        from bov_jax.evals.paper_core import format_paper_comparison
+
+        print(format_paper_comparison(results["centered_results"]))
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 

@@ -58,14 +58,14 @@ def dense(
 
 
 def table(spec: ModelSpec, values: jax.Array, axes: tuple) -> Table:
-    """A token-id table holding the given (rows, features) values."""
+    """A token-id table holding the given (rows, features) values, stored in spec.table_dtype."""
     rows, features = values.shape
     return Table(
         rows,
         features,
-        embedding_init=nnx.with_partitioning(lambda *_: values.astype(spec.param_dtype), axes),
+        embedding_init=nnx.with_partitioning(lambda *_: values.astype(spec.table_dtype), axes),
         dtype=spec.compute_dtype,
-        param_dtype=spec.param_dtype,
+        param_dtype=spec.table_dtype,
         rngs=nnx.Rngs(0),
     )
 

@@ -12,17 +12,21 @@ import jax.numpy as jnp
 from bov_jax.model.values import ValuePathSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+TABLE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "cudnn", "splash")
 AUTO = "auto"
 
 
 def resolve_auto(key: str, value: str) -> str:
-    """'auto' picks by backend: bf16 compute and cuDNN attention on GPUs, bf16 and splash
-    attention on TPUs, fp32 and XLA attention on CPUs."""
+    """'auto' picks by backend: bf16 compute and bf16 tables (wte, value banks) with cuDNN
+    attention on GPUs, bf16 and splash attention on TPUs, fp32 and XLA attention on CPUs.
+
+    `key` is "compute_dtype", "table_dtype" or "attention_impl"; other values pass through.
+    """
     if value != AUTO:
         return value
     backend = jax.default_backend()
-    if key == "compute_dtype":
+    if key in ("compute_dtype", "table_dtype"):
         return "float32" if backend == "cpu" else "bfloat16"
     return {"gpu": "cudnn", "tpu": "splash"}.get(backend, "xla")
 
@@ -46,6 +50,7 @@ class ModelSpec:
     logit_softcap: float
     param_dtype: Any
     compute_dtype: Any
+    table_dtype: Any  # storage (and AdamW state) dtype of wte and the value banks
     attention_impl: str
     value_path: ValuePathSpec
     loss_chunk_tokens: int
@@ -90,6 +95,10 @@ class ModelSpec:
             raise ValueError(
                 f"model.compute_dtype={m.compute_dtype!r}; expected one of {(*DTYPES, AUTO)}"
             )
+        if m.table_dtype not in (*TABLE_DTYPES, AUTO):
+            raise ValueError(
+                f"model.table_dtype={m.table_dtype!r}; expected one of {(*TABLE_DTYPES, AUTO)}"
+            )
         if m.attention_impl not in (*ATTENTION_IMPLS, AUTO):
             raise ValueError(
                 f"model.attention_impl={m.attention_impl!r}; expected one of "
@@ -127,6 +136,7 @@ class ModelSpec:
             logit_softcap=float(m.logit_softcap),
             param_dtype=DTYPES[m.param_dtype],
             compute_dtype=DTYPES[resolve_auto("compute_dtype", m.compute_dtype)],
+            table_dtype=DTYPES[resolve_auto("table_dtype", m.table_dtype)],
             attention_impl=resolve_auto("attention_impl", m.attention_impl),
             value_path=ValuePathSpec.from_config(m.value_path),
             loss_chunk_tokens=m.loss_chunk_tokens,

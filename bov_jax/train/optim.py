@@ -16,9 +16,14 @@ with dmodel = (d_model / 768) ** -0.5 and batch = sqrt(B / 2**19) (spec 3.4). Ev
 is multiplied by `schedules.lr_multiplier(step)`. `optax.multi_transform` combines the groups;
 a group with no parameters in the model gets no transformation (and no state).
 
-AdamW groups are `optax.adamw` with eps 1e-10 and decoupled weight decay multiplied by the
-scheduled lr, which is the reference `adamw_step_fused` (p <- p(1 - lr wd), bias-corrected
-moments, t counted from 1). Moments take the parameter's dtype, as in the reference.
+AdamW groups are `nanochat_adamw`, the reference `adamw_step_fused` (spec 3.3) in any
+parameter dtype. Its moments are stored in the parameter's dtype (bf16 for bf16 tables, see
+`model.table_dtype`), and its math follows the reference's compiled kernel: the scalars
+(1 - lr wd, 1 - beta, the bias corrections 1 - beta^t, lr / (1 - beta1^t)) in fp32 from
+fp32 betas and lr, every element upcast to fp32, and one rounding to the stored dtype per
+written buffer (the two moments and the parameter; torch.compile fuses the step into one
+kernel, which keeps its intermediates in fp32). In bf16 an update smaller than half a bf16
+ulp of the parameter is thus rounded away, as in the reference.
 
 Muon (`nanochat_muon`) is the reference `muon_step_fused`, per parameter, for Flax (in, out)
 kernels (any leading axes are batch axes):
@@ -330,6 +335,96 @@ def nanochat_muon(
     return optax.GradientTransformation(init, update)
 
 
+class AdamWState(NamedTuple):
+    """State of `nanochat_adamw`: the step and the two moments (in the parameters' dtypes)."""
+
+    count: jax.Array  # () int32, steps taken
+    mu: optax.Updates  # like params: exp_avg
+    nu: optax.Updates  # like params: exp_avg_sq
+
+
+def _lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
+    """torch.lerp: start + w (end - start) for |w| < 0.5, else end + (w - 1) (end - start)."""
+    return jnp.where(jnp.abs(weight) < 0.5, start, end) + jnp.where(
+        jnp.abs(weight) < 0.5, weight, weight - 1
+    ) * (end - start)
+
+
+def _adamw_leaf(
+    grad: jax.Array,
+    mu: jax.Array,
+    nu: jax.Array,
+    param: jax.Array,
+    *,
+    decay: jax.Array,
+    one_minus_b1: jax.Array,
+    one_minus_b2: jax.Array,
+    bias2: jax.Array,
+    step_size: jax.Array,
+    eps: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One `adamw_step_fused` on one parameter; returns (update, new mu, new nu).
+
+    Elements are computed in fp32 and rounded once to the stored dtypes; the update is the
+    fp32 difference between the rounded new parameter and the old one, so that
+    `optax.apply_updates` lands exactly on the rounded value.
+    """
+    f32 = jnp.float32
+    g, p = grad.astype(f32), param.astype(f32)
+    mu32 = _lerp(mu.astype(f32), g, one_minus_b1)
+    nu32 = _lerp(nu.astype(f32), g * g, one_minus_b2)
+    denom = jnp.sqrt(nu32 / bias2) + eps
+    new_param = (p * decay - step_size * (mu32 / denom)).astype(param.dtype)
+    return new_param.astype(f32) - p, mu32.astype(mu.dtype), nu32.astype(nu.dtype)
+
+
+def nanochat_adamw(
+    learning_rate: Schedule, *, b1: float, b2: float, eps: float, weight_decay: float
+) -> optax.GradientTransformation:
+    """The reference AdamW (see the module docstring) for parameters of any float dtype.
+
+    `learning_rate` maps the 0-based step to the group lr (lrm included); the weight decay is
+    decoupled and multiplied by it. The returned updates are fp32 and already include -lr;
+    `update` requires `params`.
+    """
+    f32 = jnp.float32
+
+    def init(params: optax.Params) -> AdamWState:
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return AdamWState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros)
+
+    def update(
+        updates: optax.Updates, state: AdamWState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, AdamWState]:
+        if params is None:
+            raise ValueError("nanochat_adamw needs params (decoupled weight decay)")
+        lr = jnp.asarray(learning_rate(state.count), f32)
+        beta1, beta2 = jnp.asarray(b1, f32), jnp.asarray(b2, f32)
+        t = (state.count + 1).astype(f32)
+        hyper = dict(
+            decay=1 - lr * jnp.asarray(weight_decay, f32),
+            one_minus_b1=1 - beta1,
+            one_minus_b2=1 - beta2,
+            bias2=1 - beta2**t,
+            step_size=lr / (1 - beta1**t),
+            eps=jnp.asarray(eps, f32),
+        )
+        out = jax.tree.map(
+            lambda g, mu, nu, p: _adamw_leaf(g, mu, nu, p, **hyper),
+            updates,
+            state.mu,
+            state.nu,
+            params,
+        )
+
+        def pick(i: int) -> optax.Updates:
+            return jax.tree.map(lambda _, leaf_out: leaf_out[i], updates, out)
+
+        return pick(0), AdamWState(optax.safe_increment(state.count), pick(1), pick(2))
+
+    return optax.GradientTransformation(init, update)
+
+
 def build_optimizer(
     optim_cfg: Any,
     params: Any,
@@ -371,7 +466,7 @@ def build_optimizer(
         else:
             betas_key, wd_key = _ADAMW_KEYS[group]
             b1, b2 = getattr(optim_cfg, betas_key)
-            adamw = optax.adamw(
+            adamw = nanochat_adamw(
                 lrs[group],
                 b1=b1,
                 b2=b2,
