@@ -119,6 +119,9 @@ def default_config() -> ml_collections.ConfigDict:
     t.eval_tokens = 80 * 2**19
     t.sample_every = 2000
     t.sample_tokens = 32
+    # CORE at the end of training into WORKDIR/evals/core_step<N>.json (bundle: BOV_EVAL_BUNDLE,
+    # default ~/.cache/bov_jax/eval_bundle): 0 off, N > 0 at most N examples per task, -1 all.
+    t.core_at_end = 0
     t.skip_nonfinite = False
     t.profile_start_step = -1
     t.profile_num_steps = 0
@@ -175,6 +178,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     for key in ("device_batch_size", "log_every", "eval_every", "sample_every"):
         if t[key] <= 0:
             raise ValueError(f"train.{key}={t[key]}; expected a positive integer")
+    if t.core_at_end < -1:
+        raise ValueError(
+            f"train.core_at_end={t.core_at_end}; expected 0 (off), N > 0 (examples per task) "
+            "or -1 (all)"
+        )
     for key in ("data", "fsdp", "tensor"):
         if config.mesh[key] == 0 or config.mesh[key] < -1:
             raise ValueError(f"mesh.{key}={config.mesh[key]}; expected -1 (fill) or >= 1")
