@@ -13,10 +13,13 @@ from bov_jax import cli
 
 ANALYSES = ("values",)
 
-flags.DEFINE_string("workdir", None, "The run's workdir (config.json and checkpoints).")
-flags.DEFINE_integer("tokens", 16384, "Val tokens to measure on (whole batches, at least one).")
-flags.DEFINE_integer("batch_rows", 8, "Sequences per forward.")
-flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+
+def define_flags() -> None:
+    """The command's flags (defined on use: other entry points also have a --workdir)."""
+    flags.DEFINE_string("workdir", None, "The run's workdir (config.json and checkpoints).")
+    flags.DEFINE_integer("tokens", 16384, "Val tokens to measure on (whole batches, >= 1).")
+    flags.DEFINE_integer("batch_rows", 8, "Sequences per forward.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 
 
 def main(argv: list[str]) -> None:
@@ -34,4 +37,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -11,10 +11,13 @@ from absl import flags
 
 from bov_jax import cli
 
-flags.DEFINE_string("root", None, "Sweep root: sweep.json and <run>/seed<k>/ workdirs.")
-flags.DEFINE_string("workdir", None, "One run's workdir (instead of --root).")
-flags.DEFINE_string("out", None, "Output directory (default: the root or the workdir).")
-flags.DEFINE_bool("kv_cache", True, "Also draw figures/kv_cache.png (Fig. 5a).")
+
+def define_flags() -> None:
+    """The command's flags (defined on use: other entry points also have a --workdir)."""
+    flags.DEFINE_string("root", None, "Sweep root: sweep.json and <run>/seed<k>/ workdirs.")
+    flags.DEFINE_string("workdir", None, "One run's workdir (instead of --root).")
+    flags.DEFINE_string("out", None, "Output directory (default: the root or the workdir).")
+    flags.DEFINE_bool("kv_cache", True, "Also draw figures/kv_cache.png (Fig. 5a).")
 
 
 def main(argv: list[str]) -> None:
@@ -33,4 +36,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)
