@@ -135,17 +135,22 @@ def test_partial_root_is_reported_not_fatal(tmp_path):
     with (root / "bov" / "seed1" / "metrics.jsonl").open("a") as f:
         f.write('{"step": 21, "val_b')  # a line cut short by a killed process
     (root / "bov" / "seed2" / "status.json").write_text('{"step": 10, "num_steps": 20}')
+    (root / "base" / "seed1" / "metrics.jsonl").write_text(
+        '{"step": 0, "val_bpb": 3.0}\n{"step": 10, "val_bpb": NaN}\n'
+    )  # finished, but diverged: its last eval is not a final BPB
     import shutil
 
     shutil.rmtree(root / "bov" / "seed0")
     report = write_report(load_sweep(root), root, with_kv_cache=False).read_text()
-    assert "| base | V | - | - | 1.1000 ± 0.1414 (n=2) |" in report
+    assert "| base | V | - | - | 1.0000 (n=1) |" in report
+    assert "non-finite val BPB at step(s) [10], no val BPB at the final step" in report
     assert "- bov seed 0: missing (no workdir)" in report
     assert "base seed 2" in report and "no metrics.jsonl" in report
     assert "1 unreadable line(s) in metrics.jsonl" in report
     assert "bov seed 2" in report and "unfinished (step 10 of 20)" in report
     assert "1.0000 (n=1)" in report  # bov: only seed 1 is finished and readable
-    assert "-0.2000 (n=1)" in report
+    assert "-0.2000 (n=1)" not in report  # base seed 1 has no final BPB to pair with
+    assert "| bov | E_v[i] | last_third | learned | 1.0000 (n=1) | - |" in report
 
 
 def test_inferred_root_and_single_run(tmp_path):

@@ -43,10 +43,11 @@ class SeedRun:
 
     @property
     def final_bpb(self) -> float | None:
-        """Val BPB of the last eval of a finished run (None if unfinished or never evaluated)."""
+        """Val BPB at the final step of a finished run (None if unfinished or not evaluated)."""
         if not self.finished or not self.evals:
             return None
-        return self.evals[-1]["val_bpb"]
+        last = self.evals[-1]
+        return last["val_bpb"] if last["step"] >= self.status["num_steps"] else None
 
     @property
     def coefficients(self) -> dict[str, float]:
@@ -113,7 +114,7 @@ def read_eval_records(path: Path, problems: list[str]) -> list[dict[str, Any]]:
         problems.append("no metrics.jsonl")
         return []
     by_step: dict[int, dict[str, Any]] = {}
-    bad = 0
+    bad, non_finite = 0, []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
@@ -125,8 +126,12 @@ def read_eval_records(path: Path, problems: list[str]) -> list[dict[str, Any]]:
             continue
         if math.isfinite(bpb):
             by_step[step] = record
+        else:
+            non_finite.append(step)
     if bad:
         problems.append(f"{bad} unreadable line(s) in metrics.jsonl")
+    if non_finite:
+        problems.append(f"non-finite val BPB at step(s) {non_finite}")
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -165,6 +170,8 @@ def read_seed_run(workdir: Path, seed: int) -> SeedRun:
     run.config = read_json(workdir / "config.json", run.problems)
     run.evals = read_eval_records(workdir / "metrics.jsonl", run.problems)
     run.status = read_json(workdir / "status.json", run.problems)
+    if run.finished and run.final_bpb is None:
+        run.problems.append("no val BPB at the final step")
     run.core = latest_core(workdir, run.problems)
     run.flops_per_step = flops_per_step(run.config)
     return run
