@@ -118,7 +118,7 @@ def default_config() -> ml_collections.ConfigDict:
     t.eval_every = 250
     t.eval_tokens = 80 * 2**19
     t.sample_every = 2000
-    t.sample_tokens = 32
+    t.sample_tokens = 32  # a greedy sample every sample_every steps and at the end; 0: none
     # CORE at the end of training into WORKDIR/evals/core_step<N>.json (bundle: BOV_EVAL_BUNDLE,
     # default ~/.cache/bov_jax/eval_bundle): 0 off, N > 0 at most N examples per task, -1 all.
     t.core_at_end = 0
@@ -178,6 +178,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     for key in ("device_batch_size", "log_every", "eval_every", "sample_every"):
         if t[key] <= 0:
             raise ValueError(f"train.{key}={t[key]}; expected a positive integer")
+    if t.sample_tokens < 0:
+        raise ValueError(f"train.sample_tokens={t.sample_tokens}; expected >= 0 (0: no samples)")
     if t.core_at_end < -1:
         raise ValueError(
             f"train.core_at_end={t.core_at_end}; expected 0 (off), N > 0 (examples per task) "

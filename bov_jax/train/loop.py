@@ -372,7 +372,8 @@ class Trainer:
         save_every = self.config.checkpoint.save_every
         if save_every > 0 and done % save_every == 0:
             self.save(done, state)
-        if done % t.sample_every == 0 or done == self.plan.num_steps:
+        due = done % t.sample_every == 0 or done == self.plan.num_steps  # and at the end
+        if t.sample_tokens > 0 and due:
             log_sample(self.graphdef, state.params, self.tokenizer, t.sample_tokens)
             self.throughput.restart()
 
