@@ -16,8 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bov_jax.experiments.runs import Run, Sweep  # noqa: E402
-from bov_jax.experiments.tables import coefficient_sort_key  # noqa: E402
+from bov_jax.experiments.runs import Run, Sweep, coefficient_sort_key  # noqa: E402
 
 DPI = 120
 

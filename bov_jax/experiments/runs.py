@@ -247,3 +247,9 @@ def single_run(workdir: str | Path) -> Sweep:
     name = (seed_run.config or {}).get("name") or workdir.name
     run = Run(name, seeds={seed_run.seed: seed_run})
     return Sweep(workdir, name, "", "runs", None, [run])
+
+
+def coefficient_sort_key(name: str) -> tuple[str, float]:
+    """`gamma/10` after `gamma/9`; names without a layer first."""
+    kind, _, layer = name.partition("/")
+    return kind, float(layer) if layer.isdigit() else -math.inf

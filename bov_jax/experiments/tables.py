@@ -7,11 +7,10 @@ printed beside ours where the run has a paper row.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-from bov_jax.experiments.runs import Run, Sweep
+from bov_jax.experiments.runs import Run, Sweep, coefficient_sort_key
 from bov_jax.experiments.stats import paired_difference, summarize
 
 CONFIDENCE = 0.95
@@ -153,9 +152,3 @@ def coefficient_table(sweep: Sweep) -> str | None:
             values = [s.coefficients[name] for s in run.seeds.values() if name in s.coefficients]
             rows.append([run.name, name, summarize(values).cell(3)])
     return markdown_table(["Run", "Coefficient", "final value"], rows) if rows else None
-
-
-def coefficient_sort_key(name: str) -> tuple[str, float]:
-    """`gamma/10` after `gamma/9`; names without a layer first."""
-    kind, _, layer = name.partition("/")
-    return kind, float(layer) if layer.isdigit() else -math.inf
