@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
+from helpers import tiny_config
 
 from bov_jax.cli import UserError
 from bov_jax.experiments import stats
 from bov_jax.experiments.report import write_report
 from bov_jax.experiments.runs import load_sweep, single_run
-from tests.helpers import tiny_config
 
 BASE_BPB = {0: 1.0, 1: 1.2, 2: 1.1}  # mean 1.1, std 0.1
 BOV_BPB = {0: 0.9, 1: 1.0, 2: 1.05}  # differences -0.1, -0.2, -0.05
@@ -138,7 +142,6 @@ def test_partial_root_is_reported_not_fatal(tmp_path):
     (root / "base" / "seed1" / "metrics.jsonl").write_text(
         '{"step": 0, "val_bpb": 3.0}\n{"step": 10, "val_bpb": NaN}\n'
     )  # finished, but diverged: its last eval is not a final BPB
-    import shutil
 
     shutil.rmtree(root / "bov" / "seed0")
     report = write_report(load_sweep(root), root, with_kv_cache=False).read_text()
@@ -171,3 +174,21 @@ def test_kv_cache_figure_is_a_png(tmp_path):
     path = kv_cache_figure(tmp_path / "kv_cache.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert matplotlib.image.imread(path).shape[1] > 400
+
+
+def test_report_command(tmp_path):
+    root = make_root(tmp_path / "root")
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def report(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "bov_jax.report", *args]
+        return subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+
+    done = report(f"--root={root}", f"--out={tmp_path / 'out'}", "--nokv_cache")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(n=3)" in (tmp_path / "out" / "report.md").read_text()
+    bad = report(f"--root={tmp_path / 'nowhere'}")
+    assert (
+        bad.returncode == 2 and "error: --root=" in bad.stderr and "not a directory" in bad.stderr
+    )
