@@ -138,7 +138,10 @@ def default_config() -> ml_collections.ConfigDict:
     t.eval_every = 250
     t.eval_tokens = 80 * 2**19
     t.sample_every = 2000
-    t.sample_tokens = 32
+    t.sample_tokens = 32  # a greedy sample every sample_every steps and at the end; 0: none
+    # CORE at the end of training into WORKDIR/evals/core_step<N>.json (bundle: BOV_EVAL_BUNDLE,
+    # default ~/.cache/bov_jax/eval_bundle): 0 off, N > 0 at most N examples per task, -1 all.
+    t.core_at_end = 0
     t.skip_nonfinite = False
     t.profile_start_step = -1
     t.profile_num_steps = 0
@@ -262,7 +265,8 @@ KEY_DOCS = {
     "train.eval_every": "steps between val BPB evaluations",
     "train.eval_tokens": "val tokens per evaluation",
     "train.sample_every": "steps between greedy samples in the log",
-    "train.sample_tokens": "tokens per sample",
+    "train.sample_tokens": "tokens per sample (0: no samples)",
+    "train.core_at_end": "CORE examples per task at the end of training (0: off, -1: all)",
     "train.skip_nonfinite": "redraw a batch whose step is non-finite instead of stopping",
     "train.profile_start_step": "first step of a jax.profiler trace (-1: off)",
     "train.profile_num_steps": "steps traced",
@@ -347,6 +351,7 @@ RANGES: dict[str, Range] = {
     "model.mlp_ratio": POSITIVE,
     "model.smear_channels": POSITIVE,
     "model.logit_softcap": POSITIVE_REAL,
+    "model.loss_chunk_tokens": POSITIVE,
     "model.value_path.fixed_coeff": Range(-math.inf, integer=False),
     "optim.embedding_lr": NON_NEGATIVE_REAL,
     "optim.unembedding_lr": NON_NEGATIVE_REAL,
@@ -386,7 +391,8 @@ RANGES: dict[str, Range] = {
     "train.eval_every": POSITIVE,
     "train.eval_tokens": POSITIVE,
     "train.sample_every": POSITIVE,
-    "train.sample_tokens": POSITIVE,
+    "train.sample_tokens": Range(1, sentinel=0, sentinel_meaning="no samples"),
+    "train.core_at_end": Range(0, sentinel=-1, sentinel_meaning="every example of every task"),
     "train.profile_start_step": Range(0, sentinel=-1, sentinel_meaning="off"),
     "train.profile_num_steps": NON_NEGATIVE,
     "train.fault_nonfinite_step": Range(0, sentinel=-1, sentinel_meaning="off"),

@@ -47,7 +47,12 @@ def tiny_config(**train):
     config.model.update(depth=2, model_dim=128, head_dim=64, seq_len=128)
     config.mesh.update(data=2, fsdp=2, tensor=2)
     settings = dict(
-        num_steps=STEPS, total_batch_tokens=512, device_batch_size=1, eval_every=2, eval_tokens=512
+        num_steps=STEPS,
+        total_batch_tokens=512,
+        device_batch_size=1,
+        eval_every=2,
+        eval_tokens=512,
+        sample_tokens=0,  # no sampler to compile
     )
     config.train.update({**settings, **train})
     config.checkpoint.update(save_every=2, keep=5)

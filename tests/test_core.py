@@ -6,6 +6,8 @@ c it puts logit S on NEXT(c) (the next code point unless overridden) and 0 elsew
 costs EPS nats when it follows that chain and WRONG nats otherwise.
 """
 
+import json
+import logging
 import math
 import random
 import sys
@@ -251,16 +253,31 @@ def test_evaluate_core_task_subset_and_truncation():
         core.evaluate_core(BUNDLE, TOK, bigram_logits, tasks=["nope"])
 
 
-def test_cli_main(monkeypatch, capsys, tmp_path):
+def test_cli_main(monkeypatch, capsys, caplog, tmp_path):
     loading = types.ModuleType("bov_jax.evals.loading")
-    loading.load_logits_fn = lambda workdir: (TOK, bigram_logits)
+    loading.load_logits_fn = lambda workdir, step: (7, TOK, bigram_logits)
     monkeypatch.setitem(sys.modules, "bov_jax.evals.loading", loading)
     out = tmp_path / "core.json"
-    core.main(["--workdir", "unused", "--bundle-dir", str(BUNDLE), "--output", str(out)])
+    run = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="bov_jax.evals.core"):
+        core.main(["--workdir", str(run), "--bundle-dir", str(BUNDLE), "--output", str(out)])
     assert "CORE 0.3444" in capsys.readouterr().out
     assert '"core_metric"' in out.read_text()
+    saved = json.loads((run / "evals" / "core_step7.json").read_text())
+    assert saved["step"] == 7 and saved["max_per_task"] == -1
+    assert saved["core_metric"] == pytest.approx((0.2 + 0.5 + 1 / 3) / 3)
+    assert saved["centered_results"]["copa"] == pytest.approx(0.2)
+    assert "CORE examples: 12/12 (100%)" in caplog.text and "ETA" in caplog.text
+    assert "copa (0-shot" in caplog.text  # per-task lines reach the package logger
     with pytest.raises(SystemExit, match="no CORE bundle"):
         core.main(["--workdir", "unused", "--bundle-dir", str(tmp_path / "none")])
+
+
+def test_evaluate_into_workdir_skips_without_a_bundle(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="bov_jax.evals.core"):
+        path = core.evaluate_into_workdir(tmp_path, 3, TOK, bigram_logits, 4, tmp_path / "none")
+    assert path is None and not (tmp_path / "evals").exists()
+    assert caplog.text.count("CORE skipped: no eval bundle") == 1
 
 
 def test_jax_logits_fn():

@@ -37,6 +37,7 @@ TINY = (
     "--config.train.eval_every=4",
     "--config.train.eval_tokens=512",
     "--config.train.log_every=1",
+    "--config.train.sample_tokens=0",  # no sampler to compile
     "--config.checkpoint.save_every=2",
     "--config.checkpoint.keep=5",
 )

@@ -11,14 +11,22 @@ targets (ignore index) count as zero bytes. BPB = sum_nats / (ln 2 * sum_bytes).
 `bpb_sums` reduces over every element of its inputs, so inside a jitted step on globally sharded
 arrays it returns the global sums (XLA inserts the cross-device reduction). Accumulate the
 per-step sums on the host (Python float / int) and call `bits_per_byte` once at the end.
+
+`python -m bov_jax.evals.bpb --workdir=RUN` scores a checkpoint on the val split (at most one
+pass of it) and writes RUN/evals/bpb_step<N>.json.
 """
 
+import logging
 import math
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from bov_jax import cli
+
+log = logging.getLogger("bov_jax.evals.bpb")
 
 
 def bpb_sums(
@@ -48,20 +56,37 @@ def bits_per_byte(sum_nats: float, sum_bytes: float) -> float:
     return float(sum_nats) / (math.log(2) * sum_bytes)
 
 
-def evaluate_model(model, tokenizer, config, eval_tokens: int, batch_rows: int) -> dict:
-    """Val BPB of `model` over about `eval_tokens` tokens of config.data's val split."""
+def val_split_tokens(data_cfg: Any, tokenizer: Any, at_most: int) -> int:
+    """Tokens in one pass of the val split's documents, counted up to about `at_most`."""
+    from bov_jax.data.unigram import token_counts
+
+    return int(token_counts(data_cfg, "val", tokenizer, max_tokens=at_most).sum())
+
+
+def evaluate_model(model, tokenizer, config, eval_tokens: int, batch_rows: int) -> dict[str, Any]:
+    """Val BPB of `model` over about `eval_tokens` tokens of config.data's val split, at most
+    one pass of it (the default budget, 41.9M tokens, is ClimbMix-sized)."""
     from flax import nnx
 
     from bov_jax.data.pipeline import make_batch_iterator
+    from bov_jax.evals.progress import Progress
 
     graphdef, params = nnx.split(model)
     seq_len = config.model.seq_len
 
     @jax.jit
-    def step(p, inputs, targets, token_bytes):
+    def eval_step(p, inputs, targets, token_bytes):
         per_token = nnx.merge(graphdef, p).loss(inputs, targets, reduction="none")
         return bpb_sums(per_token, targets, token_bytes)
 
+    one_pass = val_split_tokens(config.data, tokenizer, eval_tokens)
+    budget = min(eval_tokens, one_pass)
+    if budget < eval_tokens:
+        log.info(
+            "eval budget capped at one pass of the val split: %d tokens instead of %d",
+            budget,
+            eval_tokens,
+        )
     batches = make_batch_iterator(
         config.data,
         split="val",
@@ -71,35 +96,65 @@ def evaluate_model(model, tokenizer, config, eval_tokens: int, batch_rows: int) 
         tokenizer=tokenizer,
     )
     token_bytes = jnp.asarray(tokenizer.token_bytes())
-    steps = max(1, eval_tokens // (batch_rows * seq_len))
+    steps = max(1, budget // (batch_rows * seq_len))
+    progress = Progress("val BPB batches", steps, log)
     nats = nbytes = 0.0
-    for _ in range(steps):
-        batch = next(batches)
-        n, b = step(params, batch["inputs"], batch["targets"], token_bytes)
-        nats, nbytes = nats + float(n), nbytes + float(b)
-    return {"val_bpb": bits_per_byte(nats, nbytes), "tokens": steps * batch_rows * seq_len}
+    try:
+        for _ in range(steps):
+            batch = next(batches)
+            n, b = eval_step(params, batch["inputs"], batch["targets"], token_bytes)
+            nats, nbytes = nats + float(n), nbytes + float(b)
+            progress.update()
+    finally:
+        batches.close()
+    return {
+        "val_bpb": bits_per_byte(nats, nbytes),
+        "tokens": steps * batch_rows * seq_len,
+        "requested_tokens": eval_tokens,
+        "val_split_tokens": one_pass,
+        "capped_at_one_pass": budget < eval_tokens,
+    }
 
 
-def evaluate_workdir(workdir: str, eval_tokens: int, batch_rows: int) -> dict:
-    """Val BPB of a workdir's latest checkpoint over about `eval_tokens` val tokens."""
-    from bov_jax.evals.loading import load_model_and_tokenizer
+def evaluate_workdir(
+    workdir: str | Path, eval_tokens: int, batch_rows: int, step: int | None = None
+) -> dict[str, Any]:
+    """Val BPB of a workdir's checkpoint (the latest if step is None) over about `eval_tokens`
+    val tokens, at most one pass of the val split; written to WORKDIR/evals/bpb_step<N>.json."""
+    from bov_jax.evals.loading import load_checkpoint
+    from bov_jax.train.loop import write_json_atomic
 
-    model, tokenizer, config = load_model_and_tokenizer(workdir)
-    return evaluate_model(model, tokenizer, config, eval_tokens, batch_rows)
+    step, model, tokenizer, config = load_checkpoint(workdir, step)
+    result = {"step": step, **evaluate_model(model, tokenizer, config, eval_tokens, batch_rows)}
+    path = Path(workdir) / "evals" / f"bpb_step{step}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, result)
+    log.info("wrote %s", path)
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(description="Val bits per byte of a workdir's checkpoint.")
+    parser = argparse.ArgumentParser(
+        prog="python -m bov_jax.evals.bpb",
+        description="Val bits per byte of a workdir's checkpoint, written to "
+        "WORKDIR/evals/bpb_step<N>.json.",
+    )
     parser.add_argument("--workdir", required=True, help="training workdir with a checkpoint")
     parser.add_argument(
-        "--eval_tokens", type=int, default=80 * 2**19, help="validation tokens to score"
+        "--eval_tokens",
+        type=int,
+        default=80 * 2**19,
+        help="val tokens to score (default 41.9M, the paper's); capped at one pass of the split",
     )
     parser.add_argument("--batch_rows", type=int, default=8, help="rows per forward pass")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     args = parser.parse_args(argv)
-    print(json.dumps(evaluate_workdir(args.workdir, args.eval_tokens, args.batch_rows)))
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # quiet orbax / absl
+    logging.getLogger("bov_jax").setLevel(logging.INFO)
+    print(json.dumps(evaluate_workdir(args.workdir, args.eval_tokens, args.batch_rows, args.step)))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ MC / schema score = sum of the span's token losses / max(1, UTF-8 bytes of the d
 every span position equals the continuation token. Accuracy is centered with the task's random
 baseline r (percent): (acc - r/100) / (1 - r/100); CORE is the mean of the centered values over the
 tasks that were available.
+
+Results belong to the run: `python -m bov_jax.evals.core --workdir=RUN` (and the trainer, with
+`train.core_at_end`) writes them to RUN/evals/core_step<N>.json, N the checkpoint's step.
 """
 
 import argparse
@@ -37,8 +40,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from bov_jax import cli
+from bov_jax.evals.progress import Progress
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("bov_jax.evals.core")  # not __main__ under python -m
 
 TaskType = Literal["multiple_choice", "schema", "language_modeling"]
 LogitsFn = Callable[[np.ndarray], Any]
@@ -321,12 +325,14 @@ def evaluate_task(
     tokenizer: Tokenizer,
     logits_fn: LogitsFn,
     pad_multiple: int = 1,
+    progress: Progress | None = None,
 ) -> float:
     """Accuracy of the model over all examples of `data` (already shuffled and truncated)."""
-    correct = sum(
-        evaluate_example(i, data, task, tokenizer, logits_fn, pad_multiple)
-        for i in range(len(data))
-    )
+    correct = 0
+    for i in range(len(data)):
+        correct += evaluate_example(i, data, task, tokenizer, logits_fn, pad_multiple)
+        if progress is not None:
+            progress.update()
     return correct / len(data)
 
 
@@ -374,21 +380,23 @@ def evaluate_core(
 
     Returns a dict with `results` (accuracy per task), `centered_results`, `num_examples`,
     `core_metric` (mean centered accuracy over the available tasks; nan if none), `num_tasks`
-    (available), `num_tasks_total` (selected) and `missing_tasks` (labels not in the bundle).
+    (available), `num_tasks_total` (selected), `missing_tasks` (labels not in the bundle) and
+    `max_per_task`. Logs each task's line and, every 10 s, the examples done with an ETA.
     """
     selected = select_tasks(tasks)
     results: dict[str, float] = {}
     centered: dict[str, float] = {}
     num_examples: dict[str, int] = {}
     missing: list[str] = []
-    for task in selected:
-        data = load_task_data(bundle_dir, task, max_per_task)
+    loaded = [(task, load_task_data(bundle_dir, task, max_per_task)) for task in selected]
+    progress = Progress("CORE examples", sum(len(d) for _, d in loaded if d), logger)
+    for task, data in loaded:
         if not data:
             logger.info("%s: not in the bundle, skipped", task.label)
             missing.append(task.label)
             continue
         t0 = time.perf_counter()
-        acc = evaluate_task(data, task, tokenizer, logits_fn, pad_multiple)
+        acc = evaluate_task(data, task, tokenizer, logits_fn, pad_multiple, progress)
         results[task.label] = acc
         centered[task.label] = centered_accuracy(acc, task.random_baseline)
         num_examples[task.label] = len(data)
@@ -411,7 +419,50 @@ def evaluate_core(
         "num_tasks": len(centered),
         "num_tasks_total": len(selected),
         "missing_tasks": missing,
+        "max_per_task": max_per_task,
     }
+
+
+def bundle_present(bundle_dir: str | Path) -> bool:
+    return (Path(bundle_dir) / "eval_data").is_dir()
+
+
+def results_path(workdir: str | Path, step: int) -> Path:
+    return Path(workdir) / "evals" / f"core_step{step}.json"
+
+
+def write_results(workdir: str | Path, step: int, results: dict[str, Any]) -> Path:
+    """Write an `evaluate_core` result, with its step, to RUN/evals/core_step<step>.json."""
+    from bov_jax.train.loop import write_json_atomic
+
+    path = results_path(workdir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"step": step, **results})
+    return path
+
+
+def evaluate_into_workdir(
+    workdir: str | Path,
+    step: int,
+    tokenizer: Tokenizer,
+    logits_fn: LogitsFn,
+    max_per_task: int,
+    bundle_dir: str | Path = DEFAULT_BUNDLE_DIR,
+) -> Path | None:
+    """CORE of a run's model at `step`, written into the workdir; None (one warning) when
+    there is no bundle at `bundle_dir`."""
+    if not bundle_present(bundle_dir):
+        logger.warning(
+            "CORE skipped: no eval bundle at %s (build one with `python -m bov_jax.evals.bundle "
+            "--out %s`, or point BOV_EVAL_BUNDLE at one)",
+            bundle_dir,
+            bundle_dir,
+        )
+        return None
+    results = evaluate_core(bundle_dir, tokenizer, logits_fn, max_per_task)
+    path = write_results(workdir, step, results)
+    logger.info("CORE %.4f at step %d -> %s", results["core_metric"], step, path)
+    return path
 
 
 _TYPE_SHORT = {"multiple_choice": "MC", "schema": "schema", "language_modeling": "LM"}
@@ -444,7 +495,8 @@ def format_core_table(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """CLI: evaluate a checkpoint on every available CORE task and print the table."""
+    """CLI: evaluate a checkpoint on every available CORE task, print the table and write it
+    to WORKDIR/evals/core_step<N>.json."""
     parser = argparse.ArgumentParser(prog="python -m bov_jax.evals.core", description=__doc__)
     parser.add_argument("--workdir", required=True, help="training workdir with the checkpoint")
     parser.add_argument(
@@ -465,18 +517,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=DEFAULT_PAD_MULTIPLE,
         help="pad sequence lengths to a multiple of this (fewer compilations)",
     )
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--output", default="", help="also write the results as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # quiet orbax / absl
     logging.getLogger("bov_jax").setLevel(logging.INFO)
-    if not (Path(args.bundle_dir) / "eval_data").is_dir():
+    if not bundle_present(args.bundle_dir):
         sys.exit(
             f"no CORE bundle at {args.bundle_dir}; build one with "
             f"`python -m bov_jax.evals.bundle --out {args.bundle_dir}`"
         )
     from bov_jax.evals.loading import load_logits_fn
 
-    tokenizer, logits_fn = load_logits_fn(args.workdir)
+    step, tokenizer, logits_fn = load_logits_fn(args.workdir, args.step)
     tasks = [t for t in args.tasks.split(",") if t] or None
     results = evaluate_core(
         args.bundle_dir, tokenizer, logits_fn, args.max_per_task, tasks, args.pad_multiple
@@ -486,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bov_jax.evals.paper_core import format_paper_comparison
 
         print(format_paper_comparison(results["centered_results"]))
+    print(f"wrote {write_results(args.workdir, step, results)}")
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 

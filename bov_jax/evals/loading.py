@@ -35,6 +35,14 @@ def load_model_and_tokenizer(
     workdir: str | Path, step: int | None = None
 ) -> tuple[GPT, Tokenizer, ml_collections.ConfigDict]:
     """(model with the checkpoint's parameters, tokenizer, config)."""
+    _, model, tokenizer, config = load_checkpoint(workdir, step)
+    return model, tokenizer, config
+
+
+def load_checkpoint(
+    workdir: str | Path, step: int | None = None
+) -> tuple[int, GPT, Tokenizer, ml_collections.ConfigDict]:
+    """(step restored, model with its parameters, tokenizer, config); the latest step if None."""
     config = load_config(workdir)
     with config.unlocked():
         config.mesh.update(data=-1, fsdp=1, tensor=1)
@@ -49,12 +57,12 @@ def load_model_and_tokenizer(
     finally:
         checkpoints.close()
     tokenizer = load_tokenizer(tokenizer_path(config.data), config.model.vocab_size)
-    return nnx.merge(graphdef, state.params), tokenizer, config
+    return step, nnx.merge(graphdef, state.params), tokenizer, config
 
 
-def load_logits_fn(workdir: str | Path) -> tuple[Tokenizer, Any]:
-    """(tokenizer, logits_fn) where logits_fn(tokens (B, T) int32) -> (B, T, V) float32."""
-    model, tokenizer, _ = load_model_and_tokenizer(workdir)
+def load_logits_fn(workdir: str | Path, step: int | None = None) -> tuple[int, Tokenizer, Any]:
+    """(step, tokenizer, logits_fn) where logits_fn(tokens (B, T) int32) -> (B, T, V) float32."""
+    step, model, tokenizer, _ = load_checkpoint(workdir, step)
     graphdef, params = nnx.split(model)
     forward = jax.jit(lambda p, tokens: nnx.merge(graphdef, p)(tokens))
-    return tokenizer, lambda tokens: np.asarray(forward(params, tokens))
+    return step, tokenizer, lambda tokens: np.asarray(forward(params, tokens))

@@ -66,6 +66,7 @@ HARMLESS_PREFIXES = (
     "train.eval_tokens",
     "train.sample_every",
     "train.sample_tokens",
+    "train.core_at_end",
     "train.stop_after_steps",
     "train.device_batch_size",
     "train.profile_",

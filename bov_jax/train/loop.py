@@ -418,9 +418,26 @@ class Trainer:
         save_every = self.config.checkpoint.save_every
         if save_every > 0 and done % save_every == 0:
             self.save(done, state)
-        if done % t.sample_every == 0 and done < self.plan.num_steps:
+        due = done % t.sample_every == 0 or done == self.plan.num_steps  # and at the end
+        if t.sample_tokens > 0 and due:
             log_sample(self.graphdef, state.params, self.tokenizer, t.sample_tokens)
             self.throughput.restart()
+
+    def core_at_end(self, params: dict, step: int) -> None:
+        """CORE of the final model into evals/core_step<step>.json (train.core_at_end)."""
+        from flax import nnx
+
+        from bov_jax.evals import core
+
+        if jax.process_count() > 1:
+            log.warning("train.core_at_end: single-process only; run python -m bov_jax.evals.core")
+            return
+        forward = jax.jit(lambda p, ids: nnx.merge(self.graphdef, p)(ids))
+        logits_fn = lambda ids: np.asarray(forward(params, ids))  # noqa: E731
+        limit = self.config.train.core_at_end
+        core.evaluate_into_workdir(
+            self.workdir, step, self.tokenizer, logits_fn, limit, core.DEFAULT_BUNDLE_DIR
+        )
 
     def train(self, state: TrainState, metrics: MetricsWriter) -> dict[str, Any]:
         """Steps from the state's step to the horizon, this invocation's stop or a signal;
@@ -451,6 +468,8 @@ class Trainer:
             self.save(final["step"], state)
         self.checkpoints.wait()
         final["finished"] = final["step"] >= num_steps
+        if final["finished"] and t.core_at_end:
+            self.core_at_end(state.params, final["step"])
         if jax.process_index() == 0:  # for job scripts: requeue until finished
             status = {"step": final["step"], "num_steps": num_steps}
             write_json_atomic(self.workdir / "status.json", status)

@@ -1,0 +1,194 @@
+"""The sweep report on hand-made roots: statistics, partial roots, figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from helpers import tiny_config
+
+from bov_jax.cli import UserError
+from bov_jax.experiments import stats
+from bov_jax.experiments.report import write_report
+from bov_jax.experiments.runs import load_sweep, single_run
+
+BASE_BPB = {0: 1.0, 1: 1.2, 2: 1.1}  # mean 1.1, std 0.1
+BOV_BPB = {0: 0.9, 1: 1.0, 2: 1.05}  # differences -0.1, -0.2, -0.05
+
+
+def config_json(preset: str, seed: int) -> dict:
+    config = tiny_config(preset)
+    config.seed = seed
+    config.train.num_steps = 20
+    config.train.total_batch_tokens = 4 * 64
+    config.train.device_batch_size = 4
+    return json.loads(config.to_json_best_effort())
+
+
+def eval_record(step: int, bpb: float, preset: str) -> dict:
+    coefficients = {"smear_lambda": 0.1 * step}
+    if preset == "d12_bov":
+        coefficients |= {f"gamma/{layer}": 1.0 + 0.01 * step * layer for layer in (8, 9, 10, 11)}
+    return {"step": step, "val_bpb": bpb, "coefficients": coefficients}
+
+
+def write_seed(workdir: Path, preset: str, seed: int, final_bpb: float, steps: int = 20) -> None:
+    """A finished run: evals at 0, 10 and 20 (the final one), training records in between."""
+    workdir.mkdir(parents=True)
+    (workdir / "config.json").write_text(json.dumps(config_json(preset, seed)))
+    lines = []
+    for step in range(steps + 1):
+        record = {"step": step, "loss": 3.0 - 0.01 * step} if step < steps else {"step": step}
+        if step % 10 == 0:
+            bpb = final_bpb if step == steps else final_bpb + 1.0 - step / steps
+            record |= eval_record(step, bpb, preset)
+        lines.append(json.dumps(record))
+    (workdir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (workdir / "status.json").write_text(json.dumps({"step": steps, "num_steps": steps}))
+
+
+def write_core(workdir: Path, step: int, centered: dict[str, float]) -> None:
+    (workdir / "evals").mkdir(exist_ok=True)
+    payload = {
+        "step": step,
+        "max_per_task": 8,
+        "centered_results": centered,
+        "results": centered,
+        "core_metric": sum(centered.values()) / len(centered),
+    }
+    (workdir / "evals" / f"core_step{step}.json").write_text(json.dumps(payload))
+
+
+def make_root(root: Path, with_sweep_json: bool = True) -> Path:
+    runs = {"base": ("d12", BASE_BPB), "bov": ("d12_bov", BOV_BPB)}
+    for name, (preset, bpbs) in runs.items():
+        for seed, bpb in bpbs.items():
+            write_seed(root / name / f"seed{seed}", preset, seed, bpb)
+    if with_sweep_json:
+        sweep = {
+            "sweep": "hand",
+            "title": "Hand-made sweep",
+            "layout": "table1",
+            "baseline": "base",
+            "seeds": [0, 1, 2],
+            "runs": [
+                {
+                    "name": "base",
+                    "config": "x",
+                    "overrides": {},
+                    "paper": {"output": "V", "target": "-", "coeff": "-", "val_bpb": 0.854},
+                },
+                {"name": "bov", "config": "y", "overrides": {}, "paper": {}},
+            ],
+        }
+        (root / "sweep.json").write_text(json.dumps(sweep))
+    return root
+
+
+def test_t_quantiles_match_known_values():
+    expected = {1: 12.7062, 2: 4.3027, 4: 2.7764, 10: 2.2281, 30: 2.0423}
+    for df, t in expected.items():
+        assert stats.t_quantile(0.95, df) == pytest.approx(t, abs=1e-4)
+    assert stats.t_central_probability(stats.t_quantile(0.9, 7), 7) == pytest.approx(0.9)
+
+
+def test_summary_and_paired_difference_by_hand():
+    s = stats.summarize(list(BASE_BPB.values()))
+    assert (s.mean, s.std, s.n) == (pytest.approx(1.1), pytest.approx(0.1), 3)
+    d = stats.paired_difference(BOV_BPB, BASE_BPB)
+    diffs = [-0.1, -0.2, -0.05]
+    mean = sum(diffs) / 3
+    std = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 2)
+    half = 4.302653 * std / math.sqrt(3)
+    assert d.n == 3
+    assert d.mean == pytest.approx(mean)
+    assert d.low == pytest.approx(mean - half, abs=1e-6)
+    assert d.high == pytest.approx(mean + half, abs=1e-6)
+    only_shared = stats.paired_difference({0: 2.0, 5: 9.0}, {0: 1.5, 1: 0.0})
+    assert (only_shared.mean, only_shared.n) == (0.5, 1) and math.isnan(only_shared.low)
+
+
+def test_report_tables_on_a_hand_made_root(tmp_path):
+    root = make_root(tmp_path / "root")
+    write_core(root / "base" / "seed0", 20, {"copa": 0.2, "piqa": 0.4})
+    write_core(root / "base" / "seed1", 20, {"copa": 0.4, "piqa": 0.2})
+    write_core(root / "base" / "seed1", 10, {"copa": 9.0, "piqa": 9.0})  # older, ignored
+    report = write_report(load_sweep(root), root, with_kv_cache=False).read_text()
+    assert "| base | V | - | - | 1.1000 ± 0.1000 (n=3) | (baseline) | 0.854 |" in report
+    assert "-0.1167 [-0.3064, +0.0731] (n=3)" in report  # mean -0.11667, half-width 0.18973
+    assert "0.9833 ± 0.0764 (n=3)" in report
+    assert "| copa | 0.300 ± 0.141 (n=2) |" in report
+    assert "| CORE | 0.300 ± 0.000 (n=2) |" in report
+    assert "| bov | gamma/11 | 3.200 ± 0.000 (n=3) |" in report
+    assert "All runs finished." in report
+    for name in ("val_bpb", "coefficients", "coefficients_trajectory"):
+        image = matplotlib.image.imread(root / "figures" / f"{name}.png")
+        assert image.ndim == 3 and min(image.shape[:2]) > 100
+
+
+def test_partial_root_is_reported_not_fatal(tmp_path):
+    root = make_root(tmp_path / "root")
+    (root / "base" / "seed2" / "metrics.jsonl").unlink()
+    with (root / "bov" / "seed1" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 21, "val_b')  # a line cut short by a killed process
+    (root / "bov" / "seed2" / "status.json").write_text('{"step": 10, "num_steps": 20}')
+    (root / "base" / "seed1" / "metrics.jsonl").write_text(
+        '{"step": 0, "val_bpb": 3.0}\n{"step": 10, "val_bpb": NaN}\n'
+    )  # finished, but diverged: its last eval is not a final BPB
+
+    shutil.rmtree(root / "bov" / "seed0")
+    report = write_report(load_sweep(root), root, with_kv_cache=False).read_text()
+    assert "| base | V | - | - | 1.0000 (n=1) |" in report
+    assert "non-finite val BPB at step(s) [10], no val BPB at the final step" in report
+    assert "- bov seed 0: missing (no workdir)" in report
+    assert "base seed 2" in report and "no metrics.jsonl" in report
+    assert "1 unreadable line(s) in metrics.jsonl" in report
+    assert "bov seed 2" in report and "unfinished (step 10 of 20)" in report
+    assert "1.0000 (n=1)" in report  # bov: only seed 1 is finished and readable
+    assert "-0.2000 (n=1)" not in report  # base seed 1 has no final BPB to pair with
+    assert "| bov | E_v[i] | last_third | learned | 1.0000 (n=1) | - |" in report
+
+
+def test_inferred_root_and_single_run(tmp_path):
+    root = make_root(tmp_path / "root", with_sweep_json=False)
+    sweep = load_sweep(root)
+    assert sweep.baseline == "base" and [r.name for r in sweep.runs] == ["base", "bov"]
+    run = single_run(root / "bov" / "seed1")
+    report = write_report(run, tmp_path / "one", with_kv_cache=False).read_text()
+    assert "1.0000 (n=1)" in report
+    assert (tmp_path / "one" / "figures" / "coefficients.png").is_file()
+    with pytest.raises(UserError, match="no sweep.json and no"):
+        load_sweep(tmp_path / "one")
+
+
+def test_kv_cache_figure_is_a_png(tmp_path):
+    from bov_jax.experiments.figures import kv_cache_figure
+
+    path = kv_cache_figure(tmp_path / "kv_cache.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(path).shape[1] > 400
+
+
+def test_report_command(tmp_path):
+    root = make_root(tmp_path / "root")
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def report(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "bov_jax.report", *args]
+        return subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+
+    done = report(f"--root={root}", f"--out={tmp_path / 'out'}", "--nokv_cache")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(n=3)" in (tmp_path / "out" / "report.md").read_text()
+    bad = report(f"--root={tmp_path / 'nowhere'}")
+    assert (
+        bad.returncode == 2 and "error: --root=" in bad.stderr and "not a directory" in bad.stderr
+    )
