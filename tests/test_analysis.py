@@ -31,7 +31,8 @@ def test_captured_activations_are_the_model_ones():
     acts = stacked_activations(*nnx.split(model))(ids)
     assert {k: v.shape for k, v in acts.items()} == {k: (3, 2, 32, 64) for k in KINDS}
     bov = model.blocks[2].attn.value  # depth 3: the last third is layer 2
-    np.testing.assert_allclose(acts["values"][2], bov.bank_values(ids), rtol=1e-6)
+    bank_values = bov.replace_coef() * bov.bank_lookup(ids)  # gamma E_l[ids]
+    np.testing.assert_allclose(acts["values"][2], bank_values, rtol=1e-6)
     stream = model.smear(model.embed(ids))
     np.testing.assert_allclose(acts["residual"][0], stream, rtol=1e-5, atol=1e-6)
     keys = model.blocks[0].attn.c_k(layers.rms_norm(stream))
