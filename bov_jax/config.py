@@ -445,6 +445,25 @@ def check_ranges(given: dict[str, object]) -> None:
             raise ConfigError(f"{key}={value!r}; expected two numbers in [0, 1)")
 
 
+def config_from_record(recorded: dict) -> ml_collections.ConfigDict:
+    """The config of a run from its config.json: the schema's defaults with every recorded key
+    set. Entries the schema lacks (the data fingerprint `data_files`) are left out, and keys
+    added to the schema since the run was recorded keep their defaults."""
+
+    def overlay(base: ml_collections.ConfigDict, values: dict) -> None:
+        for key, value in values.items():
+            if key not in base:
+                continue
+            if isinstance(value, dict):
+                overlay(base[key], value)
+            else:
+                base[key] = tuple(value) if isinstance(value, list) else value
+
+    config = default_config()
+    overlay(config, recorded)
+    return config
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Check a config against the schema before anything is compiled.
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 from bov_jax import sharding
 from bov_jax.accounting import training_plan
+from bov_jax.config import config_from_record
 from bov_jax.data.config import tokenizer_path
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.model.gpt import GPT
@@ -28,7 +29,7 @@ def load_config(workdir: str | Path) -> ml_collections.ConfigDict:
     path = Path(workdir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {workdir} a bov_jax workdir?")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    return config_from_record(json.loads(path.read_text()))
 
 
 def load_model_and_tokenizer(

@@ -147,29 +147,15 @@ def latest_core(workdir: Path, problems: list[str]) -> dict[str, Any] | None:
     return read_json(max(files)[1], problems)
 
 
-def overlay(base: Any, recorded: dict[str, Any]) -> None:
-    """Set the keys of the schema `base` (a ConfigDict) to a config.json's values; keys the
-    schema lacks are ignored and keys the record lacks (added since) keep their defaults."""
-    for key, value in recorded.items():
-        if key not in base:
-            continue
-        if isinstance(value, dict):
-            overlay(base[key], value)
-        else:
-            base[key] = tuple(value) if isinstance(value, list) else value
-
-
 def flops_per_step(config: dict[str, Any] | None) -> float | None:
     """Training FLOPs of one optimizer step, or None if the config cannot be planned."""
     if config is None:
         return None
     from bov_jax.accounting import training_plan
-    from bov_jax.config import default_config
+    from bov_jax.config import config_from_record
 
     try:
-        schema = default_config()
-        overlay(schema, config)
-        plan = training_plan(schema)
+        plan = training_plan(config_from_record(config))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return float(plan.flops_per_token) * plan.total_batch_tokens
