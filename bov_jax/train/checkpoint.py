@@ -287,6 +287,9 @@ def abstract_like(tree: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+finite_state = jax.jit(all_finite)
+
+
 class Checkpoints:
     """Save and restore (TrainState, data streams, config) by step."""
 
@@ -320,12 +323,15 @@ class Checkpoints:
 
     def save(self, step: int, state: TrainState, streams: StreamSet, config: dict) -> None:
         """Save (asynchronously unless async_save=False); refuses a non-finite state."""
-        if not bool(all_finite(state)):
+        # One save at a time (the callback knows its step), and the check runs after the last
+        # one: a jitted reduction, one computation, not one small collective per leaf racing
+        # the background writer (on multi-device CPU those could stall XLA's all-reduce).
+        self.wait()
+        if not bool(finite_state(state)):
             raise CheckpointSaveError(
                 f"refusing to save step {step}: the state holds non-finite values; "
                 f"the latest checkpoint ({self.latest_step()}) is kept"
             )
-        self.wait()  # one save at a time: the callback knows its step
         self._saving = step
         try:
             self.manager.save(
