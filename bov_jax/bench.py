@@ -43,6 +43,7 @@ from bov_jax.accounting import training_plan
 from bov_jax.cli import UserError
 from bov_jax.data.config import default_data_config
 from bov_jax.data.pipeline import make_batch_iterator
+from bov_jax.files import write_json_atomic
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train.metrics import peak_flops_per_device
 from bov_jax.train.state import create_train_state
@@ -313,18 +314,11 @@ def main(argv: list[str]) -> None:
         )
     print("ratio: step time / the first config's step time, per interleaved repetition")
     if FLAGS.json_out:
-        atomic_write_json(FLAGS.json_out, results)
+        write_json_atomic(FLAGS.json_out, results)
 
 
 def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def atomic_write_json(path: str, value: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=2)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +57,7 @@ from flax import nnx
 from bov_jax import cli, sharding
 from bov_jax.accounting import training_plan
 from bov_jax.data.tiktoken_tokenizer import PICKLE_FILE, load_tiktoken
+from bov_jax.files import atomic_file, write_json_atomic
 from bov_jax.model.gpt import GPT
 from bov_jax.model.spec import ModelSpec
 from bov_jax.model.values import ValuePathSpec
@@ -163,15 +162,13 @@ def load_state_dict(model: GPT, arrays: dict[str, np.ndarray], source: str) -> N
 
 def export_npz(model: GPT, path: str) -> None:
     """Write the model's parameters as reference-named tensors (atomic)."""
-    directory = os.path.dirname(os.path.abspath(path))
     # .npz has no bf16: bf16 tables are written as the fp32 numbers they hold (exact).
     arrays = {
         name: value.astype(np.float32) if value.dtype == ml_dtypes.bfloat16 else value
         for name, value in state_dict(model).items()
     }
-    with tempfile.NamedTemporaryFile(dir=directory, suffix=".npz", delete=False) as tmp:
-        np.savez(tmp, **arrays)
-    os.replace(tmp.name, path)
+    with atomic_file(path) as out:
+        np.savez(out, **arrays)
 
 
 def import_npz(model: GPT, path: str, rename: dict[str, str] | None = None) -> None:
@@ -292,7 +289,6 @@ def import_checkpoint(
 ) -> int:
     """Turn the authors' checkpoint into a bov_jax workdir (see the module doc); its step."""
     from bov_jax.train.checkpoint import Checkpoints
-    from bov_jax.train.loop import write_json_atomic
     from bov_jax.train.state import create_train_state
 
     checkpoint_dir, workdir = Path(checkpoint_dir), Path(workdir)
@@ -365,10 +361,7 @@ def export_checkpoint(workdir: str | Path, out_dir: str | Path, step: int | None
     out_dir.mkdir(parents=True, exist_ok=True)
     model_file = out_dir / f"model_{step:06d}.pt"
     write_state_dict(model_file, tensors)
-    meta = json.dumps(meta_from_config(config, step), indent=2)
-    with tempfile.NamedTemporaryFile("w", dir=out_dir, suffix=".tmp", delete=False) as tmp:
-        tmp.write(meta)
-    os.replace(tmp.name, out_dir / f"meta_{step:06d}.json")
+    write_json_atomic(out_dir / f"meta_{step:06d}.json", meta_from_config(config, step))
     if Path(tokenizer.path).suffix == ".pkl":
         shutil.copyfile(tokenizer.path, out_dir / PICKLE_FILE)
     return model_file

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import struct
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from bov_jax.cli import UserError
+from bov_jax.files import atomic_file
 from bov_jax.safe_pickle import restricted_loads
 
 STORAGE_DTYPES: dict[str, np.dtype] = {
@@ -250,14 +249,10 @@ def write_state_dict(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
     buffer = io.BytesIO()
     _TorchPickler(buffer, protocol=2).dump(_StateDict({k: _Tensor(s) for k, s in storages.items()}))
     prefix = path.stem + "/"
-    with (
-        tempfile.NamedTemporaryFile(dir=path.parent, suffix=".pt.tmp", delete=False) as tmp,
-        zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive,
-    ):
+    with atomic_file(path) as out, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
         archive.writestr(_aligned_entry(archive, prefix + "data.pkl"), buffer.getvalue())
         archive.writestr(_aligned_entry(archive, prefix + "byteorder"), b"little")
         for storage in storages.values():
             entry = _aligned_entry(archive, f"{prefix}data/{storage.key}")
             archive.writestr(entry, storage.array.tobytes())
         archive.writestr(_aligned_entry(archive, prefix + "version"), _FORMAT_VERSION)
-    os.replace(tmp.name, path)

@@ -7,7 +7,6 @@ offending file in its `DataError`.
 
 import hashlib
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bov_jax.data.errors import DataError
+from bov_jax.files import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -156,16 +156,14 @@ def write_shard(
     table = pa.table(
         {TEXT_COLUMN: pa.array(texts, pa.string()), SOURCE_COLUMN: pa.array(sources, pa.string())}
     )
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(
-        table,
-        tmp,
-        row_group_size=row_group_size,
-        compression="zstd",
-        compression_level=3,
-        use_dictionary=[SOURCE_COLUMN],
-        write_statistics=False,
-    )
-    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-    os.replace(tmp, path)
-    return digest
+    with atomic_file(path) as out:
+        pq.write_table(
+            table,
+            out,
+            row_group_size=row_group_size,
+            compression="zstd",
+            compression_level=3,
+            use_dictionary=[SOURCE_COLUMN],
+            write_statistics=False,
+        )
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -13,7 +13,6 @@ build it ahead of a multi-process run (otherwise the first iterator of each proc
 import argparse
 import hashlib
 import logging
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from bov_jax.data.config import default_data_config, tokenizer_path
 from bov_jax.data.documents import Unit, finish_documents
 from bov_jax.data.errors import DataError
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
+from bov_jax.files import check_writable
 
 log = logging.getLogger(__name__)
 _VERSION = "1.0.0"
@@ -100,9 +100,7 @@ def cache_root(data_cfg: ml_collections.ConfigDict) -> Path:
 def _check_writable(root: Path) -> None:
     """Raises DataError, suggesting data.cache_dir, unless a cache can be written in `root`."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
+        check_writable(root)
     except OSError as e:
         raise DataError(
             f"cannot build the token cache in {root}: {e.strerror or e}; set config key "

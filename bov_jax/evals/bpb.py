@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from bov_jax import cli
+from bov_jax.files import write_json_atomic
 
 log = logging.getLogger("bov_jax.evals.bpb")
 
@@ -122,7 +123,6 @@ def evaluate_workdir(
     """Val BPB of a workdir's checkpoint (the latest if step is None) over about `eval_tokens`
     val tokens, at most one pass of the val split; written to WORKDIR/evals/bpb_step<N>.json."""
     from bov_jax.evals.loading import load_checkpoint
-    from bov_jax.train.loop import write_json_atomic
 
     step, model, tokenizer, config = load_checkpoint(workdir, step)
     result = {"step": step, **evaluate_model(model, tokenizer, config, eval_tokens, batch_rows)}

@@ -41,6 +41,7 @@ import numpy as np
 
 from bov_jax import cli
 from bov_jax.evals.progress import Progress
+from bov_jax.files import write_json_atomic
 
 logger = logging.getLogger("bov_jax.evals.core")  # not __main__ under python -m
 
@@ -433,8 +434,6 @@ def results_path(workdir: str | Path, step: int) -> Path:
 
 def write_results(workdir: str | Path, step: int, results: dict[str, Any]) -> Path:
     """Write an `evaluate_core` result, with its step, to RUN/evals/core_step<step>.json."""
-    from bov_jax.train.loop import write_json_atomic
-
     path = results_path(workdir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, {"step": step, **results})

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bov_jax.files import write_json_atomic
 from bov_jax.model.gpt import GPT
 
 KINDS = ("values", "keys", "residual")
@@ -175,7 +176,6 @@ def values_figure(result: dict[str, Any], path: Path) -> Path:
 def analyze_values(workdir: str | Path, tokens: int, rows: int, step: int | None) -> Path:
     """Measure a run's checkpoint; writes WORKDIR/analysis/values_step<N>.{json,png}."""
     from bov_jax.evals.loading import load_checkpoint
-    from bov_jax.train.loop import write_json_atomic
 
     step, model, tokenizer, config = load_checkpoint(workdir, step)
     batches = val_token_batches(config, tokenizer, tokens, rows)

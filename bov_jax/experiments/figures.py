@@ -5,8 +5,6 @@ Each function writes one PNG and returns its path, or None when the sweep has no
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,17 +15,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bov_jax.experiments.runs import Run, Sweep, coefficient_sort_key  # noqa: E402
+from bov_jax.files import atomic_file
 
 DPI = 120
 
 
 def save(fig: plt.Figure, path: Path) -> Path:
-    """Write the figure as PNG in one rename (temp file + os.replace) and close it."""
+    """Write the figure as PNG in one rename and close it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png.tmp", delete=False) as tmp:
-        fig.savefig(tmp, format="png", dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp.name, path)
+    try:
+        with atomic_file(path) as out:
+            fig.savefig(out, format="png", dpi=DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return path
 
 

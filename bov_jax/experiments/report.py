@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bov_jax.experiments import figures, tables
 from bov_jax.experiments.runs import Sweep
-from bov_jax.train.loop import write_text_atomic
+from bov_jax.files import write_text_atomic
 
 LAYOUT_TITLES = {
     "table1": "Table 1 layout (d12 value paths)",

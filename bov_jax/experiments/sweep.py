@@ -29,6 +29,7 @@ from typing import Any
 
 from bov_jax.cli import UserError
 from bov_jax.experiments.configs import apply_override, load_config, load_python_file
+from bov_jax.files import write_json_atomic, write_text_atomic
 
 LAYOUTS = ("table1", "d24", "fig5b", "plain")
 LAUNCHERS = ("local", "slurm", "tpu")
@@ -213,8 +214,6 @@ def sweep_record(sweep: Sweep, root: Path, jobs: Sequence[Job]) -> dict[str, Any
 
 
 def write_sweep_record(sweep: Sweep, root: Path, jobs: Sequence[Job]) -> None:
-    from bov_jax.train.loop import write_json_atomic
-
     root.mkdir(parents=True, exist_ok=True)
     write_json_atomic(root / "sweep.json", sweep_record(sweep, root, jobs))
 
@@ -321,7 +320,5 @@ def tpu_commands(sweep: Sweep, jobs: Sequence[Job], invocation: str) -> str:
 
 
 def write_executable(path: Path, text: str) -> None:
-    from bov_jax.train.loop import write_text_atomic
-
     write_text_atomic(path, text)
     path.chmod(0o755)

@@ -25,9 +25,7 @@ import itertools
 import json
 import logging
 import math
-import os
 import signal
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +45,7 @@ from bov_jax.data.token_cache import ensure_cache
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.data.unigram import unigram_bpb
 from bov_jax.evals.bpb import bits_per_byte
+from bov_jax.files import check_writable, write_json_atomic, write_text_atomic
 from bov_jax.model.gpt import learned_coefficients
 from bov_jax.model.spec import resolve_auto
 from bov_jax.train import schedules
@@ -68,41 +67,14 @@ class NonFiniteLossError(UserError, RuntimeError):
     exit_status = 1
 
 
-def current_umask() -> int:
-    """The process umask (read by setting it: call it before other threads create files)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-FILE_MODE = 0o666 & ~current_umask()  # what open() gives a new file, read once at import
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` in one rename: readers see the old or the new file, never a part.
-
-    The file gets the mode of a plain open() (0o666 minus the umask), not tempfile's 0o600.
-    """
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write(text)
-    os.chmod(tmp.name, FILE_MODE)
-    os.replace(tmp.name, path)
-
-
 def ensure_writable(workdir: Path) -> None:
     """Create `workdir` and check that a file can be written there, before anything runs."""
     try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=workdir):
-            pass
+        check_writable(workdir)
     except OSError as err:
         raise UserError(
             f"workdir {workdir} is not writable ({err.strerror}); pass a writable --workdir"
         ) from err
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=2))
 
 
 def truncate_metrics(path: Path, step: int) -> None:
