@@ -1,11 +1,13 @@
 """The grain pipeline: batches, determinism, process split, splits, checkpoints, workers."""
 
+import threading
+
 import grain
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from bov_jax.data import pipeline
+from bov_jax.data import pipeline, token_cache
 from bov_jax.data.config import default_data_config
 from bov_jax.data.documents import split_unit
 from bov_jax.data.packing import packing_stats
@@ -68,6 +70,31 @@ def test_cache_and_on_the_fly_encoding_give_the_same_stream(cfg):
     cached = take(cfg, 20)
     cfg.use_cache = False
     assert same(cached, take(cfg, 20))
+
+
+def test_processes_starting_together_build_the_cache_once(cfg):
+    """Two builders racing on an empty cache directory (a sweep's jobs starting at once): one
+    builds, the other waits and reads the same cache."""
+    tokenizer = load_tokenizer(pipeline.tokenizer_path(cfg))
+    start = threading.Barrier(2)
+    built, errors = [], []
+
+    def build():
+        start.wait()
+        try:
+            built.append(token_cache.ensure_cache(cfg, tokenizer))
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(built) == 2 and built[0] == built[1]
+    cached = take(cfg, 8)
+    cfg.use_cache = False
+    assert same(cached, take(cfg, 8))
 
 
 def test_stream_is_a_function_of_seed_and_process(cfg):

@@ -7,13 +7,17 @@ ids with BOS first, or nothing when the document was skipped as bad. TFDS builds
 without TensorFlow. The cache lives in `<cache_dir>/<fingerprint>/`; the fingerprint covers the
 tokenizer, the shard files and the skip switch, so a changed input never reads a stale cache.
 The tokenizer defaults to DATA_DIR/tokenizer and the cache directory to DATA_DIR/token_cache;
-build it ahead of a multi-process run (otherwise the first iterator of each process builds it).
+processes that start together (a sweep's jobs, the processes of a host) build it once: the first
+takes a file lock beside the cache and the others wait for it.
 """
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import ml_collections
@@ -119,13 +123,31 @@ def ensure_cache(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> P
         data_dir=str(root),
         file_format="array_record",
     )
-    if not (Path(builder.data_dir) / "dataset_info.json").exists():
+    built = Path(builder.data_dir) / "dataset_info.json"
+    if not built.exists():
         _check_writable(root)
-        start = time.time()
-        log.info("building the token cache of %s in %s", shard_dir, builder.data_dir)
-        builder.download_and_prepare()
-        log.info("token cache built in %.0f s", time.time() - start)
+        with build_lock(root):  # jobs of a sweep or processes of a host may start together
+            if not built.exists():
+                start = time.time()
+                log.info("building the token cache of %s in %s", shard_dir, builder.data_dir)
+                builder.download_and_prepare()
+                log.info("token cache built in %.0f s", time.time() - start)
     return Path(builder.data_dir)
+
+
+@contextlib.contextmanager
+def build_lock(root: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ROOT/build.lock: one process builds, the others wait for it."""
+    with open(root / "build.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish the token cache in %s", root)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class CachedUnitReader:
