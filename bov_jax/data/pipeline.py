@@ -177,3 +177,18 @@ def split_documents(
     units, reader = split_units(data_cfg, split, tokenizer)
     for unit in units:
         yield reader(unit)
+
+
+def val_batches(
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, rows: int
+) -> grain.DatasetIterator:
+    """A run's val split as (rows, config.model.seq_len) batches, in the order every eval of
+    that config reads them (one process; the seed is the run's)."""
+    return make_batch_iterator(
+        config.data,
+        split="val",
+        seq_len=config.model.seq_len,
+        batch_size=rows,
+        seed=config.seed,
+        tokenizer=tokenizer,
+    )

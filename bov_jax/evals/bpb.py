@@ -69,7 +69,7 @@ def evaluate_model(model, tokenizer, config, eval_tokens: int, batch_rows: int) 
     one pass of it (the default budget, 41.9M tokens, is ClimbMix-sized)."""
     from flax import nnx
 
-    from bov_jax.data.pipeline import make_batch_iterator
+    from bov_jax.data.pipeline import val_batches
     from bov_jax.evals.progress import Progress
 
     graphdef, params = nnx.split(model)
@@ -88,14 +88,7 @@ def evaluate_model(model, tokenizer, config, eval_tokens: int, batch_rows: int) 
             budget,
             eval_tokens,
         )
-    batches = make_batch_iterator(
-        config.data,
-        split="val",
-        seq_len=seq_len,
-        batch_size=batch_rows,
-        seed=config.seed,
-        tokenizer=tokenizer,
-    )
+    batches = val_batches(config, tokenizer, batch_rows)
     token_bytes = jnp.asarray(tokenizer.token_bytes())
     steps = max(1, budget // (batch_rows * seq_len))
     progress = Progress("val BPB batches", steps, log)

@@ -135,19 +135,12 @@ def token_table_r_squared(model: GPT, batches: Sequence[np.ndarray]) -> dict[str
 
 def val_token_batches(config: Any, tokenizer: Any, tokens: int, rows: int) -> list[np.ndarray]:
     """About `tokens` val tokens as (rows, seq_len) int32 input batches (at least one)."""
-    from bov_jax.data.pipeline import make_batch_iterator
+    from bov_jax.data.pipeline import val_batches
 
-    seq_len = config.model.seq_len
-    iterator = make_batch_iterator(
-        config.data,
-        split="val",
-        seq_len=seq_len,
-        batch_size=rows,
-        seed=config.seed,
-        tokenizer=tokenizer,
-    )
+    iterator = val_batches(config, tokenizer, rows)
     try:
-        return [next(iterator)["inputs"] for _ in range(max(1, tokens // (rows * seq_len)))]
+        count = max(1, tokens // (rows * config.model.seq_len))
+        return [next(iterator)["inputs"] for _ in range(count)]
     finally:
         iterator.close()
 
