@@ -7,8 +7,10 @@
 # ratio (interleaved). d12 runs twice: with the XLA GPU flags of bov_jax/xla_flags.py and
 # without (BOV_XLA_GPU_FLAGS=0). d24 BoV is profiled (time by category and named scope).
 # The image's jax/flax/optax are used; only ml_collections is carried as a wheel in .whl/.
-# Results land in $OUT. Usage: bash benchmarks/h200.sh [d12|d24|decode]
-# (`decode` times d24 decoding at batch 8, baseline vs BoV, instead).
+# Results land in $OUT. Usage: bash benchmarks/h200.sh [d12|d24|decode|rows]
+# (`decode` times d24 decoding at batch 8, baseline vs BoV, instead; `rows` measures the
+# micro-batch size: both pairs at 4 micro-batches of 2x and 4x their default rows per device,
+# to compare their tokens/s and peak memory with the default run's).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -29,9 +31,14 @@ decode() {  # d24 decode at batch 8: baseline vs BoV with and without the V cach
       --model_dim=1536 --head_dim=128 --vocab_size=32768 --dtype=bfloat16 --batch=8 \
       --contexts=2048,32768 --new_tokens=64 2>&1 | grep -v "^W[0-9]" | tee "$OUT/decode_d24.log"
 }
-only=${1:-}  # "d12" or "d24" runs that pair alone; "decode" runs the decode benchmark alone
+only=${1:-}  # "d12" or "d24" runs that pair alone; "decode" / "rows" run that check alone
 if [ "$only" = decode ]; then decode; exit; fi
 attn=cudnn
+if [ "$only" = rows ]; then
+  for r in 16 32; do bench "d24_rows$r" 200 configs/d24.py,configs/d24_bov.py $r --micro_batches=4; done
+  for r in 32 64; do bench "d12_rows$r" 120 configs/d12.py,configs/d12_bov.py $r --micro_batches=4; done
+  exit
+fi
 if [ "$only" != d24 ]; then
   bench d12 150 configs/d12.py,configs/d12_bov.py 16 \
       || { attn=xla; bench d12 150 configs/d12.py,configs/d12_bov.py 16; }

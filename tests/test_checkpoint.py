@@ -238,6 +238,53 @@ def poison_call(bad_calls: set[int]):
     return make
 
 
+def test_a_step_is_checked_only_once_the_next_is_dispatched(monkeypatch, tmp_path):
+    """No host round trip between steps: the loop reads a step's finiteness and loss after the
+    next step is dispatched, except where the state is used at once (the save after step 3)."""
+    events = []
+
+    class Logged:
+        """A step output whose every read by the host is logged."""
+
+        def __init__(self, value: jax.Array, call: int):
+            self.value, self.call = value, call
+
+        def __bool__(self) -> bool:
+            events.append(("read", self.call))
+            return bool(self.value)
+
+        def __float__(self) -> float:
+            events.append(("read", self.call))
+            return float(self.value)
+
+    make_train_step = loop.make_train_step
+
+    def make(*args):
+        train_step = make_train_step(*args)
+        calls = itertools.count()
+
+        def step(state, batch):
+            call = next(calls)
+            events.append(("dispatch", call))
+            state, out = train_step(state, batch)
+            return state, {name: Logged(value, call) for name, value in out.items()}
+
+        return step
+
+    monkeypatch.setattr(loop, "make_train_step", make)
+    config = tiny_config(num_steps=6, eval_every=100)
+    config.checkpoint.save_every = 4
+    final = loop.run(config, tmp_path)
+    assert final["finished"] and checkpoint_steps(tmp_path) == [4, 6]
+    first_read = {call: events.index(("read", call)) for call in range(6)}
+    dispatched = {call: events.index(("dispatch", call)) for call in range(6)}
+    for call in (0, 1, 2, 4):
+        assert first_read[call] > dispatched[call + 1], events
+    assert dispatched[3] < first_read[3] < dispatched[4], events  # saved before step 4 runs
+    losses = [r["loss"] for r in metrics(tmp_path)[:6]]
+    assert all(np.isfinite(losses)) and len(set(losses)) == 6
+
+
 def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(loop, "make_train_step", poison_call({3}))
     with pytest.raises(

@@ -5,6 +5,7 @@ reads the data pipeline.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -49,6 +50,57 @@ def test_gradient_accumulation_equals_one_big_batch():
     np.testing.assert_allclose(loss_four, loss_one, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_four), jax.tree.leaves(grads_one)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7)
+
+
+def bf16_casts(jaxpr, in_scan: bool = False) -> list[tuple[bool, tuple[int, ...]]]:
+    """(inside a scan?, operand shape) of every f32 -> bf16 cast of a jaxpr, recursively."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type":
+            aval = eqn.invars[0].aval
+            if aval.dtype == jnp.float32 and eqn.params["new_dtype"] == jnp.bfloat16:
+                found.append((in_scan, tuple(aval.shape)))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += bf16_casts(sub, in_scan or eqn.primitive.name == "scan")
+    return found
+
+
+def test_bf16_step_casts_each_kernel_once_with_the_per_use_gradients():
+    """In bf16 compute, accumulate_gradients casts the dense kernels before its scan over
+    micro-batches, and its gradient equals the per-micro-batch autodiff gradients of the model
+    as stored (each nnx.Linear casting its fp32 kernel at use), summed in order."""
+    model = tiny_model("d12_bov", depth=4, compute_dtype="bfloat16", vocab_size=300)
+    randomize(model, seed=3)
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    batch = next(in_memory_batches(1, 4, 2, 64, 300))
+    loss, grads = jax.jit(accumulate_gradients, static_argnums=0)(
+        graphdef, params, batch["inputs"], batch["targets"]
+    )
+
+    def micro(inputs, targets):
+        return jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(inputs, targets))(params)
+
+    micro = jax.jit(micro)
+    losses, total = [], jax.tree.map(jnp.zeros_like, params)
+    for i in range(4):
+        loss_i, grads_i = micro(batch["inputs"][i], batch["targets"][i])
+        losses.append(loss_i)
+        total = jax.tree.map(jnp.add, total, grads_i)
+    np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-6)
+    for (path, got), want in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(total), strict=True
+    ):
+        assert got.dtype == jnp.float32, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got, want / 4, rtol=1e-5, atol=1e-9, err_msg=str(path))
+
+    jaxpr = jax.make_jaxpr(accumulate_gradients, static_argnums=0)(
+        graphdef, params, batch["inputs"], batch["targets"]
+    )
+    casts = bf16_casts(jaxpr.jaxpr)
+    kernels = {(64, 64), (64, 256), (256, 64)}  # attention and MLP; lm_head is (64, 320)
+    assert kernels <= {shape for in_scan, shape in casts if not in_scan}
+    assert not kernels & {shape for in_scan, shape in casts if in_scan}
 
 
 def run_steps(config, mesh, steps=3):

@@ -308,6 +308,24 @@ class GPT(nnx.Module):
             return loss.token_nll(*args) if reduction == "none" else loss.mean_nll(*args)
 
 
+def dense_kernels_in(params: dict, dtype: jnp.dtype) -> dict:
+    """`params` (the pure-dict layout) with every dense kernel but lm_head's cast to `dtype`.
+
+    nnx.Linear casts its kernel to the compute dtype at each call; a train step casts these
+    kernels once and reuses them for all its micro-batches. A cast's VJP is the cast back, so
+    the gradients are unchanged (each kernel is used once per forward). lm_head's kernel is
+    left as stored: the loss accumulates its gradient in fp32 over the token chunks and
+    returns it in the kernel's dtype (bov_jax/model/loss.py), so a cast kernel would round
+    that gradient.
+    """
+
+    def cast(path: tuple, x: jax.Array) -> jax.Array:
+        names = [getattr(key, "key", None) for key in path]
+        return x.astype(dtype) if names[-1] == "kernel" and names[0] != "lm_head" else x
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> dict[int, Table]:
     """The value tables of the target layers, keyed by layer (one object when shared).
 

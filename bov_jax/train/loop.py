@@ -11,7 +11,9 @@ A resumed run is the same run: the checkpoint restores parameters, optimizer sta
 and the position of every data stream, and metrics.jsonl is cut back to the restored step so
 that every step appears once. A step with a non-finite loss, gradient or update leaves the
 state unchanged; the run stops there without saving (the last good checkpoint stays the
-latest) unless `train.skip_nonfinite`, which draws the next batch instead. A checkpoint save
+latest) unless `train.skip_nonfinite`, which draws the next batch instead. The host checks a
+step (finiteness, loss) only once the next one is queued on the device, so the device does not
+wait on the host between steps. A checkpoint save
 that fails in the background (a full disk) stops the run after the step during which it is
 noticed. The config recorded in config.json and in every checkpoint holds the `auto` choices
 as resolved on this machine and the data's fingerprint (`data_files`), so a resumption
@@ -65,6 +67,13 @@ class NonFiniteLossError(UserError, RuntimeError):
     gave up)."""
 
     exit_status = 1
+
+
+def nonfinite_problem(step: int, out: dict) -> str:
+    return (
+        f"non-finite loss, gradient or update at step {step} "
+        f"(loss {float(out['loss'])}, gradient norm {float(out['grad_norm'])})"
+    )
 
 
 def ensure_writable(workdir: Path) -> None:
@@ -200,8 +209,11 @@ class Profiler:
         if step == self.start and self.stop > self.start:
             jax.profiler.start_trace(str(self.dir / "profile"))
 
+    def traces(self, step: int) -> bool:
+        return self.stop > self.start >= 0 and self.start <= step < self.stop
+
     def after_step(self, step: int, out: dict) -> None:
-        if step == self.stop - 1 and self.stop > self.start >= 0:
+        if step == self.stop - 1 and self.traces(step):
             jax.block_until_ready(out)
             jax.profiler.stop_trace()
 
@@ -251,6 +263,7 @@ class Trainer:
         t = config.train
         self.profiler = Profiler(workdir, t.profile_start_step, t.profile_num_steps, t.dump_hlo)
         self.throughput = Throughput(plan.total_batch_tokens, plan.flops_per_token)
+        self.first_step = 0  # of this invocation, set by `train`
 
     def close(self) -> None:
         self.checkpoints.close()
@@ -289,37 +302,44 @@ class Trainer:
         return bits_per_byte(nats, nbytes)
 
     def advance(self, state: TrainState, step: int) -> tuple[TrainState, dict]:
-        """One optimizer step; a non-finite one stops the run or, if allowed, is redrawn."""
+        """Dispatch optimizer step `step` and return its (state, outputs) without waiting for
+        the device. With `train.skip_nonfinite` the step is waited for, and a non-finite one
+        is redrawn on the next batch; otherwise `settle` checks it later."""
         for attempt in range(MAX_SKIPPED_IN_A_ROW):
             local = self.train_data.next_local(self.layout.accum)
             batch = sharding.global_batch(local, self.mesh, leading=1)
             if attempt == 0:
                 self.profiler.before_step(step, self.train_step, state, batch)
             state, out = self.train_step(state, batch)
-            if bool(out["finite"]):
-                self.profiler.after_step(step, out)
+            if not self.config.train.skip_nonfinite or bool(out["finite"]):
                 return state, out
-            problem = (
-                f"non-finite loss, gradient or update at step {step} "
-                f"(loss {float(out['loss'])}, gradient norm {float(out['grad_norm'])})"
-            )
-            if not self.config.train.skip_nonfinite:
-                self.checkpoints.wait()
-                latest = self.checkpoints.latest_step()
-                kept = (
-                    "no checkpoint yet"
-                    if latest is None
-                    else f"the last good state is checkpoint {self.checkpoints.step_dir(latest)}"
-                    ", where a rerun continues"
-                )
-                raise NonFiniteLossError(
-                    f"{problem}: stopped without saving; {kept}. "
-                    "--config.train.skip_nonfinite=True would skip such batches."
-                )
-            log.warning("%s: batch skipped (train.skip_nonfinite)", problem)
+            log.warning("%s: batch skipped (train.skip_nonfinite)", nonfinite_problem(step, out))
         raise NonFiniteLossError(
             f"{MAX_SKIPPED_IN_A_ROW} batches in a row were non-finite at step {step}"
         )
+
+    def settle(self, step: int, record: dict, out: dict, metrics: MetricsWriter) -> None:
+        """Wait for dispatched step `step`; stop the run if it was not finite (its update was
+        not applied), else complete its record, write it and log it where due."""
+        if not bool(out["finite"]):
+            self.checkpoints.wait()
+            latest = self.checkpoints.latest_step()
+            kept = (
+                "no checkpoint yet"
+                if latest is None
+                else f"the last good state is checkpoint {self.checkpoints.step_dir(latest)}"
+                ", where a rerun continues"
+            )
+            raise NonFiniteLossError(
+                f"{nonfinite_problem(step, out)}: stopped without saving; {kept}. "
+                "--config.train.skip_nonfinite=True would skip such batches."
+            )
+        self.profiler.after_step(step, out)
+        dt = self.throughput.tick()
+        record.update(self.step_record(step, out, dt))
+        metrics.write(record)
+        if (step + 1) % self.config.train.log_every == 0 or step == self.first_step:
+            self.log_step(step, record, dt)
 
     def step_record(self, step: int, out: dict, dt: float) -> dict[str, Any]:
         o = self.config.optim
@@ -369,30 +389,43 @@ class Trainer:
             return self.stop.signal_name or "a signal to another process"
         return None
 
+    def eval_due(self, step: int) -> bool:
+        return step % self.config.train.eval_every == 0 or step >= self.plan.num_steps
+
     def record_start(self, step: int, params: dict, final: dict) -> dict[str, Any]:
         """The step's record before its update: the val BPB where due (and the unigram line)."""
-        t = self.config.train
         record: dict[str, Any] = {"step": step}
         if step == 0 and "unigram_bpb" in final:
             record["unigram_bpb"] = final["unigram_bpb"]
-        if step % t.eval_every == 0 or step >= self.plan.num_steps:
+        if self.eval_due(step):
             record["val_bpb"] = final["val_bpb"] = self.evaluate(params)
             record["coefficients"] = learned_coefficients(params)
             log.info("Step %05d | Validation bpb: %.6f", step, record["val_bpb"])
             self.throughput.restart()
         return record
 
-    def after_step(self, step: int, start: int, state: TrainState, record: dict, dt: float) -> None:
-        """Log line, periodic checkpoint and sample once step `step` is done."""
+    def needs_settled_state(self, step: int) -> bool:
+        """Whether the state after step `step` is used (saved, sampled, traced) at once, so
+        that the step must be checked before the next one is dispatched."""
         t, done = self.config.train, step + 1
-        if done % t.log_every == 0 or step == start:
-            self.log_step(step, record, dt)
         save_every = self.config.checkpoint.save_every
-        if save_every > 0 and done % save_every == 0:
-            self.save(done, state)
-        due = done % t.sample_every == 0 or done == self.plan.num_steps  # and at the end
-        if t.sample_tokens > 0 and due:
-            log_sample(self.graphdef, state.params, self.tokenizer, t.sample_tokens)
+        return (
+            (save_every > 0 and done % save_every == 0)
+            or (t.sample_tokens > 0 and self.sample_due(step))
+            or self.profiler.traces(step)
+        )
+
+    def sample_due(self, step: int) -> bool:
+        done = step + 1
+        return done % self.config.train.sample_every == 0 or done == self.plan.num_steps
+
+    def after_step(self, step: int, state: TrainState) -> None:
+        """Periodic checkpoint and sample once step `step` is done and settled."""
+        save_every = self.config.checkpoint.save_every
+        if save_every > 0 and (step + 1) % save_every == 0:
+            self.save(step + 1, state)
+        if self.config.train.sample_tokens > 0 and self.sample_due(step):
+            log_sample(self.graphdef, state.params, self.tokenizer, self.config.train.sample_tokens)
             self.throughput.restart()
 
     def core_at_end(self, params: dict, step: int) -> None:
@@ -413,17 +446,28 @@ class Trainer:
 
     def train(self, state: TrainState, metrics: MetricsWriter) -> dict[str, Any]:
         """Steps from the state's step to the horizon, this invocation's stop or a signal;
-        then a checkpoint of the step reached (unless it exists)."""
+        then a checkpoint of the step reached (unless it exists).
+
+        A step is checked (`settle`) once the next one has been dispatched, so the device
+        always has a step queued while the host reads the previous one's finiteness and loss
+        and loads the next batch; a step whose state is evaluated, saved or sampled is
+        checked before anything uses it.
+        """
         t, num_steps = self.config.train, self.plan.num_steps
-        start = int(state.step)
+        self.first_step = start = int(state.step)
         stop_at = start + t.stop_after_steps if t.stop_after_steps > 0 else num_steps
         final: dict[str, Any] = {}
         if start == 0 and jax.process_index() == 0:
             final["unigram_bpb"] = unigram_bpb(self.config.data, self.tokenizer)
             log.info("unigram reference line: val BPB %.4f", final["unigram_bpb"])
+        pending: tuple | None = None  # (step, record, outputs) dispatched, not yet checked
         for step in itertools.count(start):
             final["step"] = step
-            if reason := self.stop_reason(step, stop_at):
+            reason = self.stop_reason(step, stop_at)
+            if pending and (reason or self.eval_due(step)):
+                self.settle(*pending, metrics)
+                pending = None
+            if reason:
                 log.info("stopping at step %d (%s)", step, reason)
                 break
             record = self.record_start(step, state.params, final)
@@ -431,10 +475,13 @@ class Trainer:
                 metrics.write(record)
                 break
             state, out = self.advance(state, step)
-            dt = self.throughput.tick()
-            record.update(self.step_record(step, out, dt))
-            metrics.write(record)
-            self.after_step(step, start, state, record, dt)
+            if pending:
+                self.settle(*pending, metrics)
+            pending = (step, record, out)
+            if self.needs_settled_state(step):
+                self.settle(*pending, metrics)
+                pending = None
+                self.after_step(step, state)
             self.checkpoints.check_saves()
         if self.checkpoints.latest_step() != final["step"]:
             self.save(final["step"], state)

@@ -22,6 +22,7 @@ from flax import nnx
 
 from bov_jax import sharding
 from bov_jax.evals.bpb import bpb_sums
+from bov_jax.model.gpt import dense_kernels_in
 from bov_jax.train.state import TrainState, all_finite
 
 
@@ -31,11 +32,17 @@ def loss_fn(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: ja
 
 
 def accumulate_gradients(graphdef, params, inputs, targets) -> tuple[jax.Array, Any]:
-    """Mean loss and gradient over micro-batches: inputs, targets (accum, rows, T)."""
+    """Mean loss and gradient over micro-batches: inputs, targets (accum, rows, T).
+
+    The dense kernels are cast to the compute dtype once, before the micro-batches, rather
+    than at every micro-batch's use (`dense_kernels_in`); gradients are summed in the
+    parameters' dtype.
+    """
+    compute = dense_kernels_in(params, nnx.merge(graphdef, params).spec.compute_dtype)
 
     def micro_step(grad_sum, batch):
-        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(graphdef, params, *batch)
-        return jax.tree.map(jnp.add, grad_sum, grads), loss
+        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(graphdef, compute, *batch)
+        return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets))
