@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from collections.abc import Iterator
 
 import jax
+import pytest
 from flax import nnx
 
+from bov_jax import sharding
 from bov_jax.model.gpt import GPT
 from bov_jax.model.spec import ModelSpec
 from bov_jax.presets import config_for
@@ -45,3 +49,18 @@ def randomize(model: GPT, seed: int, scale: float = 0.05, only: str = "") -> Non
 
 def tokens(batch: int = 2, length: int = 64, vocab: int = 200, seed: int = 1) -> jax.Array:
     return jax.random.randint(jax.random.key(seed), (batch, length), 0, vocab)
+
+
+@contextlib.contextmanager
+def meshes_on_one_device() -> Iterator[None]:
+    """Meshes built for all devices (`loop.run`) take the first device only: for in-process runs
+    that test something other than sharding, which then compile and step about twice as fast
+    as over the 8 fake devices. The config's mesh must then have one device (data=-1 or 1)."""
+    make_mesh = sharding.make_mesh
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            sharding,
+            "make_mesh",
+            lambda mesh_cfg, devices=None: make_mesh(mesh_cfg, devices or jax.devices()[:1]),
+        )
+        yield

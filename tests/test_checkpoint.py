@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import meshes_on_one_device
 
 from bov_jax import sharding
 from bov_jax.accounting import training_plan
@@ -56,6 +57,14 @@ def tiny_config(**train):
     )
     config.train.update({**settings, **train})
     config.checkpoint.update(save_every=2, keep=5)
+    return config
+
+
+def one_device_config(**train):
+    """tiny_config's run on one device (with `meshes_on_one_device`), for loop tests of
+    something other than sharding."""
+    config = tiny_config(**{"device_batch_size": 4, **train})
+    config.mesh.update(data=1, fsdp=1, tensor=1)
     return config
 
 
@@ -272,9 +281,10 @@ def test_a_step_is_checked_only_once_the_next_is_dispatched(monkeypatch, tmp_pat
         return step
 
     monkeypatch.setattr(loop, "make_train_step", make)
-    config = tiny_config(num_steps=6, eval_every=100)
+    config = one_device_config(num_steps=6, eval_every=100)
     config.checkpoint.save_every = 4
-    final = loop.run(config, tmp_path)
+    with meshes_on_one_device():
+        final = loop.run(config, tmp_path)
     assert final["finished"] and checkpoint_steps(tmp_path) == [4, 6]
     first_read = {call: events.index(("read", call)) for call in range(6)}
     dispatched = {call: events.index(("dispatch", call)) for call in range(6)}
@@ -287,17 +297,20 @@ def test_a_step_is_checked_only_once_the_next_is_dispatched(monkeypatch, tmp_pat
 
 def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(loop, "make_train_step", poison_call({3}))
-    with pytest.raises(
-        loop.NonFiniteLossError, match="at step 3 .*checkpoints/2, where a rerun continues"
+    with (
+        meshes_on_one_device(),
+        pytest.raises(
+            loop.NonFiniteLossError, match="at step 3 .*checkpoints/2, where a rerun continues"
+        ),
     ):
-        loop.run(tiny_config(), tmp_path)
+        loop.run(one_device_config(), tmp_path)
     assert checkpoint_steps(tmp_path) == [2]
     verify_manifest(tmp_path / "checkpoints" / "2", 2)
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
     # Resumed with skipping allowed (a harmless key), the bad batch of step 2 is redrawn.
     monkeypatch.setattr(loop, "make_train_step", poison_call({0}))
-    with caplog.at_level(logging.WARNING, logger="bov_jax"):
-        final = loop.run(tiny_config(skip_nonfinite=True), tmp_path)
+    with meshes_on_one_device(), caplog.at_level(logging.WARNING, logger="bov_jax"):
+        final = loop.run(one_device_config(skip_nonfinite=True), tmp_path)
     assert (
         "non-finite loss, gradient or update at step 2" in caplog.text and "skipped" in caplog.text
     )

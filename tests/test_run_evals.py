@@ -10,6 +10,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from helpers import meshes_on_one_device
 
 from bov_jax.evals import bpb, core
 from bov_jax.experiments.analysis import analyze_values
@@ -28,11 +29,11 @@ def trained(tmp_path_factory) -> tuple[Path, str]:
     returns the workdir and the run's log."""
     config = quickstart.get_config()
     config.model.update(depth=3, model_dim=128, head_dim=64, seq_len=128)
-    config.mesh.update(data=2, fsdp=2, tensor=2)
+    config.mesh.update(data=1, fsdp=1, tensor=1)
     config.train.update(
         num_steps=STEPS,
         total_batch_tokens=512,
-        device_batch_size=1,
+        device_batch_size=4,
         eval_every=2,
         eval_tokens=512,
         sample_tokens=4,
@@ -48,7 +49,8 @@ def trained(tmp_path_factory) -> tuple[Path, str]:
     logging.getLogger("bov_jax").addHandler(handler)
     logging.getLogger("bov_jax").setLevel(logging.INFO)
     try:
-        loop.run(config, workdir)
+        with meshes_on_one_device():
+            loop.run(config, workdir)
     finally:
         logging.getLogger("bov_jax").removeHandler(handler)
         mp.undo()
