@@ -1,4 +1,5 @@
-"""Checkpoint contents and failure handling, in process (the 8 fake devices of conftest).
+"""Checkpoint contents and failure handling, in process (loop runs on one device; the round
+trip uses the 8 fake devices of conftest).
 
 What a checkpoint must restore exactly (optimizer counts and buffers, RNG, step, data
 position), onto the same or a smaller mesh; damaged checkpoints named by step and file, with
@@ -43,14 +44,14 @@ STEPS = 4
 
 
 def tiny_config(**train):
-    """The quickstart at 2 layers of width 128, 4 rows of 128 tokens per step on a 2x2x2 mesh."""
+    """The quickstart at 2 layers of width 128, 4 rows of 128 tokens per step, one device."""
     config = quickstart.get_config()
     config.model.update(depth=2, model_dim=128, head_dim=64, seq_len=128)
-    config.mesh.update(data=2, fsdp=2, tensor=2)
+    config.mesh.update(data=1, fsdp=1, tensor=1)
     settings = dict(
         num_steps=STEPS,
         total_batch_tokens=512,
-        device_batch_size=1,
+        device_batch_size=4,
         eval_every=2,
         eval_tokens=512,
         sample_tokens=0,  # no sampler to compile
@@ -60,12 +61,12 @@ def tiny_config(**train):
     return config
 
 
-def one_device_config(**train):
-    """tiny_config's run on one device (with `meshes_on_one_device`), for loop tests of
-    something other than sharding."""
-    config = tiny_config(**{"device_batch_size": 4, **train})
-    config.mesh.update(data=1, fsdp=1, tensor=1)
-    return config
+@pytest.fixture(scope="module", autouse=True)
+def one_device():
+    """The loop runs here test checkpoints, not sharding (the round trip below and
+    tests/test_resume.py move checkpoints between meshes): they run on one device."""
+    with meshes_on_one_device():
+        yield
 
 
 def metrics(workdir: Path) -> list[dict]:
@@ -114,8 +115,7 @@ def train_two_steps(config, mesh):
 
 def test_state_and_data_round_trip_exactly_onto_other_meshes(tmp_path):
     """Saved on 1 device; restored onto 8 (2 x 2 x 2) and 2 (fsdp) with the targets' layout."""
-    config = tiny_config(device_batch_size=4)
-    config.mesh.update(data=1, fsdp=1, tensor=1)
+    config = tiny_config()
     state, data, tokenizer = train_two_steps(
         config, sharding.make_mesh(config.mesh, jax.devices()[:1])
     )
@@ -281,10 +281,9 @@ def test_a_step_is_checked_only_once_the_next_is_dispatched(monkeypatch, tmp_pat
         return step
 
     monkeypatch.setattr(loop, "make_train_step", make)
-    config = one_device_config(num_steps=6, eval_every=100)
+    config = tiny_config(num_steps=6, eval_every=100)
     config.checkpoint.save_every = 4
-    with meshes_on_one_device():
-        final = loop.run(config, tmp_path)
+    final = loop.run(config, tmp_path)
     assert final["finished"] and checkpoint_steps(tmp_path) == [4, 6]
     first_read = {call: events.index(("read", call)) for call in range(6)}
     dispatched = {call: events.index(("dispatch", call)) for call in range(6)}
@@ -297,20 +296,17 @@ def test_a_step_is_checked_only_once_the_next_is_dispatched(monkeypatch, tmp_pat
 
 def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(loop, "make_train_step", poison_call({3}))
-    with (
-        meshes_on_one_device(),
-        pytest.raises(
-            loop.NonFiniteLossError, match="at step 3 .*checkpoints/2, where a rerun continues"
-        ),
+    with pytest.raises(
+        loop.NonFiniteLossError, match="at step 3 .*checkpoints/2, where a rerun continues"
     ):
-        loop.run(one_device_config(), tmp_path)
+        loop.run(tiny_config(), tmp_path)
     assert checkpoint_steps(tmp_path) == [2]
     verify_manifest(tmp_path / "checkpoints" / "2", 2)
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
     # Resumed with skipping allowed (a harmless key), the bad batch of step 2 is redrawn.
     monkeypatch.setattr(loop, "make_train_step", poison_call({0}))
-    with meshes_on_one_device(), caplog.at_level(logging.WARNING, logger="bov_jax"):
-        final = loop.run(one_device_config(skip_nonfinite=True), tmp_path)
+    with caplog.at_level(logging.WARNING, logger="bov_jax"):
+        final = loop.run(tiny_config(skip_nonfinite=True), tmp_path)
     assert (
         "non-finite loss, gradient or update at step 2" in caplog.text and "skipped" in caplog.text
     )
