@@ -16,7 +16,7 @@ from bov_jax import sharding
 from bov_jax.accounting import training_plan
 from bov_jax.config import validate_config
 from bov_jax.train.optim import param_labels
-from bov_jax.train.state import create_train_state
+from bov_jax.train.state import all_finite, create_train_state
 from bov_jax.train.step import accumulate_gradients, make_train_step
 
 
@@ -192,6 +192,28 @@ def test_nonfinite_step_leaves_the_state_unchanged():
     np.testing.assert_array_equal(
         after.params["wte"]["embedding"], before.params["wte"]["embedding"]
     )
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_all_finite_finds_one_bad_value_in_any_leaf(bad, dtype):
+    big = jnp.finfo(dtype).max  # finite extremes must not count as overflow
+    tree = {
+        "a": jnp.full((3, 5), big, dtype),
+        "b": [jnp.arange(7, dtype=jnp.int32), -jnp.full((4,), big, dtype)],
+        "c": jnp.zeros((), dtype),
+    }
+    check = jax.jit(all_finite)
+    assert bool(check(tree))
+    for path in (("a",), ("b", 1), ("c",)):
+        leaf = tree[path[0]] if len(path) == 1 else tree[path[0]][path[1]]
+        poisoned = leaf.reshape(-1).at[-1].set(bad).reshape(leaf.shape)
+        changed = (
+            {**tree, path[0]: poisoned}
+            if len(path) == 1
+            else {**tree, "b": [tree["b"][0], poisoned]}
+        )
+        assert not bool(check(changed)), path
 
 
 def test_auto_dtype_and_attention_resolve_by_backend():

@@ -26,10 +26,17 @@ from bov_jax.train.optim import build_optimizer
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """() bool: whether every floating-point value of `tree` is finite (one fused reduction;
-    integer leaves such as optax counts are always finite)."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+    """() bool: whether every floating-point value of `tree` is finite (integer leaves such as
+    optax counts always are).
+
+    x * 0 is 0 for a finite x and NaN for an infinite or NaN one, so the sum of x * 0 over every
+    value is finite exactly when every value is (a sum of zeros cannot overflow). One float
+    sum per leaf compiles faster than boolean reductions (about 1 s less per train step on
+    the tests' CPU model) and reads each value once, like them.
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    zeros = [jnp.sum(x.astype(jnp.float32) * 0.0) for x in leaves]
+    return jnp.isfinite(sum(zeros, jnp.float32(0.0)))
 
 
 class TrainState(NamedTuple):
