@@ -407,24 +407,21 @@ class Trainer:
     def needs_settled_state(self, step: int) -> bool:
         """Whether the state after step `step` is used (saved, sampled, traced) at once, so
         that the step must be checked before the next one is dispatched."""
-        t, done = self.config.train, step + 1
+        return self.save_due(step) or self.sample_due(step) or self.profiler.traces(step)
+
+    def save_due(self, step: int) -> bool:
         save_every = self.config.checkpoint.save_every
-        return (
-            (save_every > 0 and done % save_every == 0)
-            or (t.sample_tokens > 0 and self.sample_due(step))
-            or self.profiler.traces(step)
-        )
+        return save_every > 0 and (step + 1) % save_every == 0
 
     def sample_due(self, step: int) -> bool:
-        done = step + 1
-        return done % self.config.train.sample_every == 0 or done == self.plan.num_steps
+        t, done = self.config.train, step + 1
+        return t.sample_tokens > 0 and (done % t.sample_every == 0 or done == self.plan.num_steps)
 
     def after_step(self, step: int, state: TrainState) -> None:
         """Periodic checkpoint and sample once step `step` is done and settled."""
-        save_every = self.config.checkpoint.save_every
-        if save_every > 0 and (step + 1) % save_every == 0:
+        if self.save_due(step):
             self.save(step + 1, state)
-        if self.config.train.sample_tokens > 0 and self.sample_due(step):
+        if self.sample_due(step):
             log_sample(self.graphdef, state.params, self.tokenizer, self.config.train.sample_tokens)
             self.throughput.restart()
 
