@@ -4,7 +4,7 @@
 # attention (XLA attention if cuDNN fails), embedded-corpus token ids, 8 micro-batches per
 # step (the cap; d12 trains with 16 and d24 with 64, the optimizer share scales down further):
 # step / optimizer / forward+backward times, MFU, tokens/s, peak memory, BoV/baseline step
-# ratio (interleaved). d12 runs twice: with the XLA GPU flags of bov_jax/xla_flags.py and
+# ratio (interleaved). d12 runs twice: with the XLA GPU flags of bov_jax/train/xla_flags.py and
 # without (BOV_XLA_GPU_FLAGS=0). d24 BoV is profiled (time by category and named scope).
 # The image's jax/flax/optax are used; only ml_collections is carried as a wheel in .whl/.
 # Results land in $OUT. Usage: bash benchmarks/h200.sh [d12|d24|decode|rows]

@@ -13,26 +13,19 @@ errors too.
 
 from __future__ import annotations
 
-import difflib
 import errno
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from absl import app, flags
 
+from bov_jax.errors import UserError
+
 flags.DEFINE_bool("debug", False, "Show the full traceback of user errors.")
 
-CONFIG_FLAG = "--config"
 # OSErrors that mean "the disk or the directory will not take this": the user fixes those.
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-class UserError(Exception):
-    """A mistake the user can fix; its message names the file, key or value and the fix."""
-
-    exit_status = 2
 
 
 def debug_enabled(argv: list[str] | None = None) -> bool:
@@ -62,44 +55,13 @@ def os_user_error(err: OSError) -> UserError | None:
     return None
 
 
-def config_key_paths() -> list[str]:
-    """Every config key as a dotted path (train.num_steps, ...)."""
-    from bov_jax.config import default_config, key_paths
-
-    return sorted(key_paths(default_config()))
-
-
-def unknown_key_message(key: str, known: list[str], where: str) -> str:
-    """'unknown config key train.num_step (where); did you mean train.num_steps?'"""
-    message = f"unknown config key {key} ({where})"
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    if not close:  # a typo in the last part only: compare the leaf names
-        leaves = {k.rsplit(".", 1)[-1]: k for k in known}
-        close = [leaves[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], leaves, 1)]
-    if close:
-        message += f"; did you mean {close[0]}?"
-    return message + " (--show_config lists every key)"
-
-
-def check_config_arguments(argv: list[str]) -> None:
-    """Before absl loads the config: the file of --config exists, every --config.<key> is known."""
-    known = None
-    for arg in argv[1:]:
-        name, _, value = arg.partition("=")
-        if name == CONFIG_FLAG and value:
-            path = Path(value.split(":", 1)[0])
-            if not path.is_file():
-                raise UserError(f"config file {path} not found (--config={value})")
-        elif name.startswith(CONFIG_FLAG + "."):
-            known = known if known is not None else config_key_paths()
-            key = name[len(CONFIG_FLAG) + 1 :]
-            if key not in known:
-                raise UserError(unknown_key_message(key, known, arg))
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with config-file problems turned into UserErrors."""
-    check_config_arguments(argv)
+def parse_flags(
+    argv: list[str], check_argv: Callable[[list[str]], None] | None = None
+) -> list[str]:
+    """absl's flag parsing, after `check_argv(argv)` (e.g. the config's key check), with
+    config-file problems turned into UserErrors."""
+    if check_argv is not None:
+        check_argv(argv)
     try:
         return app.parse_flags_with_usage(argv)
     except (OSError, KeyError, AttributeError, TypeError, ValueError) as err:
@@ -122,15 +84,18 @@ def guarded(call: Callable[..., object], *args: object, debug: bool = False) -> 
         sys.exit(user_error.exit_status)
 
 
-def run(main: Callable[[list[str]], object]) -> None:
+def run(
+    main: Callable[[list[str]], object],
+    check_argv: Callable[[list[str]], None] | None = None,
+) -> None:
     """absl's app.run(main), with user errors printed as one line and their exit status.
 
-    Covers flag and config parsing, UserErrors, missing files and full-disk / read-only
-    OSErrors.
+    Covers flag and config parsing (`check_argv` runs on the raw argv first), UserErrors,
+    missing files and full-disk / read-only OSErrors.
     """
     app.run(
         lambda argv: guarded(main, argv, debug=debug_enabled(argv)),
-        flags_parser=lambda argv: guarded(parse_flags, argv, debug=debug_enabled(argv)),
+        flags_parser=lambda argv: guarded(parse_flags, argv, check_argv, debug=debug_enabled(argv)),
     )
 
 

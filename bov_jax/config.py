@@ -12,15 +12,12 @@ import inspect
 import math
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import ml_collections
 
-from bov_jax.cli import UserError
 from bov_jax.data.config import default_data_config
-
-
-class ConfigError(UserError, ValueError):
-    """A config key that is unknown, missing or out of range; the message names the key."""
+from bov_jax.errors import ConfigError
 
 
 def value_path_config(
@@ -482,3 +479,39 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"checkpoint.allow_changes names an unknown key {key.strip()}{hint}")
     with config_errors():
         training_plan(config)  # resolves the model spec, horizon and batch size
+
+
+CONFIG_FLAG = "--config"
+
+
+def config_key_paths() -> list[str]:
+    """Every config key as a dotted path (train.num_steps, ...)."""
+    return sorted(key_paths(default_config()))
+
+
+def unknown_key_message(key: str, known: list[str], where: str) -> str:
+    """'unknown config key train.num_step (where); did you mean train.num_steps?'"""
+    message = f"unknown config key {key} ({where})"
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not close:  # a typo in the last part only: compare the leaf names
+        leaves = {k.rsplit(".", 1)[-1]: k for k in known}
+        close = [leaves[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], leaves, 1)]
+    if close:
+        message += f"; did you mean {close[0]}?"
+    return message + " (--show_config lists every key)"
+
+
+def check_config_arguments(argv: list[str]) -> None:
+    """Before absl loads the config: the file of --config exists, every --config.<key> is known."""
+    known = None
+    for arg in argv[1:]:
+        name, _, value = arg.partition("=")
+        if name == CONFIG_FLAG and value:
+            path = Path(value.split(":", 1)[0])
+            if not path.is_file():
+                raise ConfigError(f"config file {path} not found (--config={value})")
+        elif name.startswith(CONFIG_FLAG + "."):
+            known = known if known is not None else config_key_paths()
+            key = name[len(CONFIG_FLAG) + 1 :]
+            if key not in known:
+                raise ConfigError(unknown_key_message(key, known, arg))

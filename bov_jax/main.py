@@ -23,7 +23,9 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from bov_jax import cli, xla_flags
+from bov_jax import cli
+from bov_jax.config import check_config_arguments, describe_keys
+from bov_jax.train import xla_flags
 
 config_flags.DEFINE_config_file(
     "config",
@@ -96,8 +98,6 @@ def configure_logging() -> None:
 
 def show_config() -> None:
     """Every key of the schema: `key = default  # meaning` (the comments of bov_jax/config.py)."""
-    from bov_jax.config import describe_keys
-
     for key, default, doc in describe_keys():
         print(f"{key} = {default!r}" + (f"  # {doc}" if doc else ""))
 
@@ -120,4 +120,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, check_argv=check_config_arguments)

@@ -346,5 +346,6 @@ if __name__ == "__main__":
     flags.DEFINE_bool("write_docs", False, f"Write the tables to {DOCS_PATH}.")
     flags.DEFINE_alias("write-docs", "write_docs")
     from bov_jax import cli
+    from bov_jax.config import check_config_arguments
 
-    cli.run(main)
+    cli.run(main, check_argv=check_config_arguments)

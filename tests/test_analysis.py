@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from helpers import randomize, tiny_model, tokens
 
-from bov_jax.experiments.analysis import (
+from bov_jax.analysis.values import (
     KINDS,
     r_squared,
     stacked_activations,

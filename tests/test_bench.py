@@ -5,7 +5,7 @@ import json
 import pytest
 from absl import flags
 
-from bov_jax import bench
+from bov_jax.bench import __main__ as bench
 
 TINY_CONFIG = """
 import jax
@@ -70,7 +70,7 @@ def test_bench_train_reports_every_field_for_both_configs(tmp_path, capsys):
 
 
 def test_gpu_flags_keep_flags_already_given():
-    from bov_jax.xla_flags import GPU_FLAGS, set_gpu_flags, with_gpu_flags
+    from bov_jax.train.xla_flags import GPU_FLAGS, set_gpu_flags, with_gpu_flags
 
     given = "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x"
     merged = with_gpu_flags(given).split()
@@ -86,7 +86,7 @@ def test_profile_times_ops_by_category_and_scope(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from bov_jax import profile
+    from bov_jax.bench import profile
 
     @jax.jit
     def f(x, w, ids):

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from bov_jax.evals import bundle, converters, core
+from bov_jax.evals import bundle, converters, core, tasks
 
 DATA = Path(__file__).parent / "data" / "core"
 SRC = DATA / "src"
@@ -120,7 +120,7 @@ def test_manifest_and_reference_config(built):
     assert len(manifest["sources"]["bigbench"]["sha256"]) == 64
     with (out / "eval_meta_data.csv").open() as f:
         baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
-    assert baselines == {t.label: t.random_baseline for t in core.CORE_TASKS}
+    assert baselines == {t.label: t.random_baseline for t in tasks.CORE_TASKS}
     yaml_text = (out / "core.yaml").read_text()
     assert yaml_text.count("- label: ") == 21
     assert '  continuation_delimiter: "\\nAnswer: "' in yaml_text
@@ -152,7 +152,7 @@ def test_without_bigbench(dists, tmp_path):
     assert len(bigbench_tasks) == 6 and len(manifest["tasks"]) == 13
     for label in bigbench_tasks:
         assert manifest["missing"][label] == "bigbench distribution not used"
-        assert not (tmp_path / "eval_data" / core.TASKS_BY_LABEL[label].dataset_uri).exists()
+        assert not (tmp_path / "eval_data" / tasks.TASKS_BY_LABEL[label].dataset_uri).exists()
 
 
 def test_find_distribution_and_cached_download(tmp_path, monkeypatch):

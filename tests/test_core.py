@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bov_jax.evals import core
+from bov_jax.evals import core, tasks
 
 BUNDLE = Path(__file__).parent / "data" / "core" / "bundle"
 V = 512
@@ -55,23 +55,23 @@ def bigram_logits(tokens: np.ndarray) -> np.ndarray:
 
 
 TOK = CharTokenizer()
-COPA = core.TASKS_BY_LABEL["copa"]
-WINOGRAD = core.TASKS_BY_LABEL["winograd"]
-LAMBADA = core.TASKS_BY_LABEL["lambada_openai"]
+COPA = tasks.TASKS_BY_LABEL["copa"]
+WINOGRAD = tasks.TASKS_BY_LABEL["winograd"]
+LAMBADA = tasks.TASKS_BY_LABEL["lambada_openai"]
 
 
 # --- task table ---------------------------------------------------------------------------------
 
 
 def test_task_table_matches_spec():
-    assert len(core.CORE_TASKS) == 21
-    assert "hellaswag_zeroshot" not in core.TASKS_BY_LABEL
-    arc = core.TASKS_BY_LABEL["arc_easy"]
+    assert len(tasks.CORE_TASKS) == 21
+    assert "hellaswag_zeroshot" not in tasks.TASKS_BY_LABEL
+    arc = tasks.TASKS_BY_LABEL["arc_easy"]
     assert (arc.num_fewshot, arc.delimiter, arc.random_baseline) == (25, "\nAnswer: ", 25.0)
-    assert core.TASKS_BY_LABEL["winogrande"].num_fewshot == 5
-    assert core.TASKS_BY_LABEL["boolq"].random_baseline == 62.0
-    assert core.TASKS_BY_LABEL["bigbench_language_identification"].random_baseline == 9.1
-    types_ = {t.task_type for t in core.CORE_TASKS}
+    assert tasks.TASKS_BY_LABEL["winogrande"].num_fewshot == 5
+    assert tasks.TASKS_BY_LABEL["boolq"].random_baseline == 62.0
+    assert tasks.TASKS_BY_LABEL["bigbench_language_identification"].random_baseline == 9.1
+    types_ = {t.task_type for t in tasks.CORE_TASKS}
     assert types_ == {"multiple_choice", "schema", "language_modeling"}
 
 
@@ -196,9 +196,9 @@ def test_per_task_accuracies():
 
 
 def test_fewshot_and_padding_do_not_change_results():
-    lm_fewshot = core.CoreTask("toy", LAMBADA.dataset_uri, "language_modeling", 2, " ", 0.0, 4)
+    lm_fewshot = tasks.CoreTask("toy", LAMBADA.dataset_uri, "language_modeling", 2, " ", 0.0, 4)
     assert core.evaluate_task(_data(LAMBADA), lm_fewshot, TOK, bigram_logits, 64) == 0.5
-    mc_fewshot = core.CoreTask("toy", COPA.dataset_uri, "multiple_choice", 3, " ", 50.0, 5)
+    mc_fewshot = tasks.CoreTask("toy", COPA.dataset_uri, "multiple_choice", 3, " ", 50.0, 5)
     assert core.evaluate_task(_data(COPA), mc_fewshot, TOK, bigram_logits, 7) == pytest.approx(0.6)
 
 
@@ -218,9 +218,9 @@ def test_one_padded_batch_per_example():
 
 
 def test_centered_accuracy():
-    assert core.centered_accuracy(0.6, 50.0) == pytest.approx(0.2)
-    assert core.centered_accuracy(0.25, 25.0) == pytest.approx(0.0)
-    assert core.centered_accuracy(0.5, 0.0) == pytest.approx(0.5)
+    assert tasks.centered_accuracy(0.6, 50.0) == pytest.approx(0.2)
+    assert tasks.centered_accuracy(0.25, 25.0) == pytest.approx(0.0)
+    assert tasks.centered_accuracy(0.5, 0.0) == pytest.approx(0.5)
 
 
 def test_evaluate_core_on_three_task_bundle():

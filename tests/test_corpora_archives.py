@@ -11,7 +11,7 @@ import pytest
 
 from bov_jax.corpora import registry
 from bov_jax.corpora.archives import extract_tar, extract_zip, file_sha256
-from bov_jax.data.errors import DataError
+from bov_jax.errors import DataError
 
 GOOD = ("pkg/data/a.txt", b"alpha\n")
 

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from bov_jax.corpora import climbmix
-from bov_jax.data.errors import DataError
 from bov_jax.data.testing import write_corpus
+from bov_jax.errors import DataError
 
 URL = "https://example.invalid/climbmix"
 

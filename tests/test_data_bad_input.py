@@ -12,9 +12,9 @@ import pytest
 
 from bov_jax.data import pipeline
 from bov_jax.data.config import default_data_config, validate_data_config
-from bov_jax.data.errors import DataError
 from bov_jax.data.packing import packing_stats
 from bov_jax.data.testing import corpus_with_tokenizer
+from bov_jax.errors import DataError
 
 VOCAB, SEQ = 512, 64
 

@@ -9,9 +9,9 @@ import pytest
 
 from bov_jax.data import shards
 from bov_jax.data.config import EMBEDDED_DIR
-from bov_jax.data.errors import DataError
 from bov_jax.data.testing import write_corpus
 from bov_jax.data.tokenizer import CONFIG_FILE, SPECIALS, load_tokenizer, train_tokenizer
+from bov_jax.errors import DataError
 
 SAMPLES = [
     "Plain ASCII text.",

@@ -10,8 +10,8 @@ from flax import nnx
 from helpers import randomize, tiny_model, tokens
 
 from bov_jax.model import decode, layers
+from bov_jax.model.sampling import sample_text, sample_texts
 from bov_jax.presets import PRESETS
-from bov_jax.sample import sample_text, sample_texts
 
 # Prefill 5 tokens, then single steps up to 20 tokens: past the short window (8) of the
 # sliding-window layers, and every step's smear reads the cache.

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 from helpers import randomize, tiny_model
 
-from bov_jax.interop import export_npz, import_npz
+from bov_jax.interop.checkpoints import export_npz, import_npz
 
 
 @pytest.mark.parametrize(

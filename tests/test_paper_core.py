@@ -3,7 +3,7 @@
 import pytest
 
 from bov_jax.evals import paper_core
-from bov_jax.evals.core import CORE_TASKS
+from bov_jax.evals.tasks import CORE_TASKS
 
 ALL = [t.label for t in CORE_TASKS]
 OURS = [label for label in ALL if label not in ("winograd", "agi_eval_lsat_ar")]

@@ -20,10 +20,10 @@ from helpers import randomize, tiny_config, tiny_model, tokens
 
 from bov_jax.data.tiktoken_tokenizer import TiktokenTokenizer
 from bov_jax.evals.bpb import evaluate_model
-from bov_jax.interop import export_npz, import_npz, load_state_dict, state_dict
-from bov_jax.safe_pickle import UnsafePickleError
-from bov_jax.sample import sample_text
-from bov_jax.torch_format import read_state_dict, write_state_dict
+from bov_jax.interop.checkpoints import export_npz, import_npz, load_state_dict, state_dict
+from bov_jax.interop.safe_pickle import UnsafePickleError
+from bov_jax.interop.torch_format import read_state_dict, write_state_dict
+from bov_jax.model.sampling import sample_text
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = (
@@ -268,7 +268,7 @@ def test_imported_checkpoint_evaluates_like_the_npz_path(authors_checkpoint, tmp
 
 def test_export_writes_what_import_reads(authors_checkpoint, tmp_path):
     workdir = tmp_path / "imported"
-    from bov_jax.interop import export_checkpoint, import_checkpoint
+    from bov_jax.interop.checkpoints import export_checkpoint, import_checkpoint
 
     import_checkpoint(authors_checkpoint, workdir)
     model_file = export_checkpoint(workdir, tmp_path / "exported")
@@ -288,8 +288,8 @@ def test_export_writes_what_import_reads(authors_checkpoint, tmp_path):
 
 
 def test_bad_checkpoint_directories_are_named(authors_checkpoint, tmp_path):
-    from bov_jax.cli import UserError
-    from bov_jax.interop import checkpoint_files, config_from_meta
+    from bov_jax.errors import UserError
+    from bov_jax.interop.checkpoints import checkpoint_files, config_from_meta
 
     with pytest.raises(UserError, match=rf"{tmp_path} holds no model_<step>.pt"):
         checkpoint_files(tmp_path, None)

@@ -24,9 +24,10 @@ import pyarrow.parquet as pq
 import pytest
 from test_resume import REPO, STEPS, checkpoint_steps, environment, main_args, metrics, run_main
 
-from bov_jax.config import ConfigError, default_config, validate_config
+from bov_jax.config import default_config, validate_config
 from bov_jax.data import shards
 from bov_jax.data.config import EMBEDDED_DIR
+from bov_jax.errors import ConfigError
 from bov_jax.train.checkpoint import (
     Checkpoints,
     DataStateError,

@@ -14,10 +14,10 @@ import matplotlib.image
 import pytest
 from helpers import tiny_config
 
-from bov_jax.cli import UserError
-from bov_jax.experiments import stats
-from bov_jax.experiments.report import write_report
-from bov_jax.experiments.runs import load_sweep, single_run
+from bov_jax.errors import UserError
+from bov_jax.report import stats
+from bov_jax.report.markdown import write_report
+from bov_jax.report.runs import load_sweep, single_run
 
 BASE_BPB = {0: 1.0, 1: 1.2, 2: 1.1}  # mean 1.1, std 0.1
 BOV_BPB = {0: 0.9, 1: 1.0, 2: 1.05}  # differences -0.1, -0.2, -0.05
@@ -169,7 +169,7 @@ def test_inferred_root_and_single_run(tmp_path):
 
 
 def test_kv_cache_figure_is_a_png(tmp_path):
-    from bov_jax.experiments.figures import kv_cache_figure
+    from bov_jax.report.figures import kv_cache_figure
 
     path = kv_cache_figure(tmp_path / "kv_cache.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

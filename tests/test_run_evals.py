@@ -12,10 +12,10 @@ import matplotlib.image
 import pytest
 from helpers import meshes_on_one_device
 
+from bov_jax.analysis.values import analyze_values
 from bov_jax.evals import bpb, core
-from bov_jax.experiments.analysis import analyze_values
-from bov_jax.experiments.report import write_report
-from bov_jax.experiments.runs import single_run
+from bov_jax.report.markdown import write_report
+from bov_jax.report.runs import single_run
 from bov_jax.train import loop
 from configs import quickstart
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from bov_jax.cli import UserError
-from bov_jax.experiments import sweep as sweeps
-from bov_jax.experiments.configs import apply_override, load_config
+from bov_jax.errors import UserError
+from bov_jax.sweep import jobs as sweeps
+from bov_jax.sweep.config_files import apply_override, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import tarfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from bov_jax.data.errors import DataError
+from bov_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 

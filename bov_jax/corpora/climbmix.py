@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from bov_jax import cli
 from bov_jax.corpora.archives import file_sha256
 from bov_jax.data import shards
-from bov_jax.data.errors import DataError
+from bov_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bov_jax.corpora.archives import extract_tar, extract_zip, file_sha256, verify_sha256
-from bov_jax.data.errors import DataError
+from bov_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 _COMPLETE = ".complete"

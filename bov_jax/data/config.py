@@ -5,8 +5,8 @@ from pathlib import Path
 import ml_collections
 
 from bov_jax.data import shards
-from bov_jax.data.errors import DataError
 from bov_jax.data.tokenizer import load_tokenizer
+from bov_jax.errors import DataError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_DIR = REPO_ROOT / "data" / "embedded"

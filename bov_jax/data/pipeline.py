@@ -22,9 +22,9 @@ from absl import flags
 from bov_jax.data import shards, token_cache
 from bov_jax.data.config import tokenizer_path
 from bov_jax.data.documents import ParquetUnitReader, Unit, plan_units, split_unit
-from bov_jax.data.errors import DataError
 from bov_jax.data.packing import BestFitPackIterDataset
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
+from bov_jax.errors import DataError
 
 ReaderType = ParquetUnitReader | token_cache.CachedUnitReader
 

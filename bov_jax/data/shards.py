@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bov_jax.data.errors import DataError
+from bov_jax.errors import DataError
 from bov_jax.files import atomic_file
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The reference's tokenizer (spec 6.1-6.2): a pickled tiktoken Encoding, `tokenizer.pkl`.
 
-The pickle is read through `bov_jax.safe_pickle` with one global allowed,
+The pickle is read through `bov_jax.interop.safe_pickle` with one global allowed,
 tiktoken.core.Encoding, mapped to a stand-in that only records the state the pickle sets
 (name, split pattern, mergeable ranks, special tokens); the real Encoding is then built from
 that checked state. Text is encoded with `encode_ordinary` (no special-token parsing, as the
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import tiktoken
 
-from bov_jax.data.errors import DataError
-from bov_jax.safe_pickle import restricted_loads
+from bov_jax.errors import DataError
+from bov_jax.interop.safe_pickle import restricted_loads
 
 PICKLE_FILE = "tokenizer.pkl"
 BOS = "<|bos|>"

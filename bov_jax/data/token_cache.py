@@ -29,8 +29,8 @@ from bov_jax import cli
 from bov_jax.data import shards
 from bov_jax.data.config import default_data_config, tokenizer_path
 from bov_jax.data.documents import Unit, finish_documents
-from bov_jax.data.errors import DataError
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
+from bov_jax.errors import DataError
 from bov_jax.files import check_writable
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ import sentencepiece as spm
 
 from bov_jax import cli
 from bov_jax.data import shards
-from bov_jax.data.errors import DataError
 from bov_jax.data.tiktoken_tokenizer import PICKLE_FILE, TiktokenTokenizer, load_tiktoken
+from bov_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ import pyarrow as pa
 from bov_jax import cli
 from bov_jax.corpora.archives import file_sha256
 from bov_jax.evals.converters import MISSING_TASKS, SOURCES, Row
-from bov_jax.evals.core import CORE_TASKS, DEFAULT_BUNDLE_DIR, TASKS_BY_LABEL
+from bov_jax.evals.core import DEFAULT_BUNDLE_DIR
+from bov_jax.evals.tasks import CORE_TASKS, TASKS_BY_LABEL
 
 logger = logging.getLogger(__name__)
 

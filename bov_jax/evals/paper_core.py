@@ -5,7 +5,7 @@ Everything here is transcribed from the project's reference material, never esti
 `/work/shared/reference/bov_reference_spec.md` (spec) section 2.5 and
 `/work/shared/reference/paper_notes_zh.md` (notes) sections 4.2-4.4. Per-task values are
 the paper's raw accuracies (spec 7.3: "The paper's per-task tables report raw accuracies");
-they are centered here with the task's random baseline from `core.CORE_TASKS`. The notes give
+they are centered here with the task's random baseline from `tasks.CORE_TASKS`. The notes give
 per-task values for 8 of the 21 tasks of the 100B-token run and only BoV − baseline
 differences for 2 more; the rest are not in the reference material (docs/core.md lists them).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from bov_jax.evals.core import CORE_TASKS, TASKS_BY_LABEL, centered_accuracy
+from bov_jax.evals.tasks import CORE_TASKS, TASKS_BY_LABEL, centered_accuracy
 
 NUM_TASKS = len(CORE_TASKS)  # 21
 _HALF_UNIT = 0.0005  # the paper prints 3 decimals

@@ -43,8 +43,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bov_jax.cli import UserError
 from bov_jax.data.identity import changed_files
+from bov_jax.errors import UserError
 from bov_jax.train.state import TrainState, all_finite
 
 log = logging.getLogger("bov_jax")

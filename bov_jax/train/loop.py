@@ -38,14 +38,14 @@ from jax.experimental import multihost_utils
 
 from bov_jax import sharding
 from bov_jax.accounting import TrainingPlan, training_plan
-from bov_jax.cli import UserError
-from bov_jax.config import ConfigError, config_errors, validate_config
+from bov_jax.config import config_errors, validate_config
 from bov_jax.data.config import tokenizer_path, validate_data_config
 from bov_jax.data.identity import data_fingerprint
 from bov_jax.data.pipeline import make_batch_iterator
 from bov_jax.data.token_cache import ensure_cache
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.data.unigram import unigram_bpb
+from bov_jax.errors import ConfigError, UserError
 from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.files import check_writable, write_json_atomic, write_text_atomic
 from bov_jax.model.gpt import learned_coefficients
@@ -222,7 +222,7 @@ def log_sample(graphdef: Any, params: dict, tokenizer: Tokenizer, max_new_tokens
     """Greedy continuation of a fixed prompt, so runs can be compared by eye."""
     from flax import nnx
 
-    from bov_jax.sample import sample_text
+    from bov_jax.model.sampling import sample_text
 
     model = nnx.merge(graphdef, params)
     text = sample_text(model, tokenizer, "The meaning of life is", max_new_tokens=max_new_tokens)

@@ -6,7 +6,7 @@
 The paper gives these arms as curves only; every arm is paired with BoV itself.
 """
 
-from bov_jax.experiments.sweep import Run, Sweep
+from bov_jax.sweep.jobs import Run, Sweep
 
 ARMS = (
     ("d12_bov", "BoV"),

@@ -7,7 +7,7 @@ The paper's val BPB of each row (spec 2.5) sits beside ours in the report; its d
 number in a table (Fig. 5(b) shows its curve only).
 """
 
-from bov_jax.experiments.sweep import Run, Sweep
+from bov_jax.sweep.jobs import Run, Sweep
 
 # (preset, output, target, coefficient, the paper's val BPB)
 ROWS = (

@@ -4,7 +4,7 @@
       --override=data.data_dir=$CLIMBMIX --launcher=slurm|tpu
 """
 
-from bov_jax.experiments.sweep import Run, Sweep
+from bov_jax.sweep.jobs import Run, Sweep
 
 
 def get_sweep() -> Sweep:

@@ -2,7 +2,7 @@
 
 Writes report.md and figures/*.png for a sweep root (tables in the paper's layout over seeds,
 paired differences to the baseline, val BPB curves, learned coefficients, the cache-memory
-figure) or for one run (curves and coefficients). See bov_jax/experiments/report.py.
+figure) or for one run (curves and coefficients). See bov_jax/report/markdown.py.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from absl import flags
 
 from bov_jax import cli
+from bov_jax.errors import UserError
 
 
 def define_flags() -> None:
@@ -21,14 +22,14 @@ def define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
-    from bov_jax.experiments.report import write_report
-    from bov_jax.experiments.runs import load_sweep, single_run
+    from bov_jax.report.markdown import write_report
+    from bov_jax.report.runs import load_sweep, single_run
 
     if len(argv) > 1:
-        raise cli.UserError(f"unexpected arguments {argv[1:]}; use --root=DIR or --workdir=RUN")
+        raise UserError(f"unexpected arguments {argv[1:]}; use --root=DIR or --workdir=RUN")
     f = flags.FLAGS
     if (f.root is None) == (f.workdir is None):
-        raise cli.UserError("give exactly one of --root=DIR (a sweep) or --workdir=RUN (a run)")
+        raise UserError("give exactly one of --root=DIR (a sweep) or --workdir=RUN (a run)")
     sweep = load_sweep(f.root) if f.root else single_run(f.workdir)
     out = f.out or f.root or f.workdir
     path = write_report(sweep, out, with_kv_cache=f.kv_cache and bool(f.root))

@@ -15,8 +15,8 @@ ratio to the first config. The configs are compiled side by side in this one pro
 in `reps` interleaved rounds; ratios are per round (median, min, max). Token ids come from the
 embedded corpus (real text: repeated ids collide in the embedding and bank gradients as in
 training) unless --tokens=random. --profile writes a jax.profiler trace of a few steps per
-config and prints the device time by op category and by named scope (bov_jax/profile.py).
-On GPUs the XLA flags of `bov_jax.xla_flags` are set before JAX starts.
+config and prints the device time by op category and by named scope (bov_jax/bench/profile.py).
+On GPUs the XLA flags of `bov_jax.train.xla_flags` are set before JAX starts.
 `data`: tokens/s the data pipeline produces for the first config (with and without worker
 processes) next to what its train step consumes.
 """
@@ -38,13 +38,15 @@ import optax
 from absl import app, flags
 from ml_collections import config_flags
 
-from bov_jax import cli, profile, sharding, xla_flags
+from bov_jax import cli, sharding
 from bov_jax.accounting import training_plan
-from bov_jax.cli import UserError
+from bov_jax.bench import profile
 from bov_jax.data.config import default_data_config
 from bov_jax.data.pipeline import make_batch_iterator
+from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic
 from bov_jax.model.spec import ModelSpec
+from bov_jax.train import xla_flags
 from bov_jax.train.metrics import peak_flops_per_device
 from bov_jax.train.state import create_train_state
 from bov_jax.train.step import loss_fn, make_train_step

@@ -6,7 +6,7 @@
 
 `import` reads the authors' checkpoint directory (spec 9.2: model_{step:06d}.pt and
 meta_{step:06d}.json, with tokenizer.pkl beside them unless --tokenizer names it) without
-torch and without running anything its pickles name (bov_jax/torch_format.py,
+torch and without running anything its pickles name (bov_jax/interop/torch_format.py,
 bov_jax/data/tiktoken_tokenizer.py). meta's model_type picks the preset (value path) and
 model_config the sizes; OUT becomes a normal workdir (config.json, an Orbax checkpoint at
 the same step with a fresh optimizer state, tokenizer/tokenizer.pkl), so evals.bpb,
@@ -51,18 +51,18 @@ import jax.numpy as jnp
 import ml_collections
 import ml_dtypes
 import numpy as np
-from absl import flags
 from flax import nnx
 
-from bov_jax import cli, sharding
+from bov_jax import sharding
 from bov_jax.accounting import training_plan
 from bov_jax.data.tiktoken_tokenizer import PICKLE_FILE, load_tiktoken
+from bov_jax.errors import UserError
 from bov_jax.files import atomic_file, write_json_atomic
+from bov_jax.interop.torch_format import read_state_dict, write_state_dict
 from bov_jax.model.gpt import GPT
 from bov_jax.model.spec import ModelSpec
 from bov_jax.model.values import ValuePathSpec
 from bov_jax.presets import PRESETS, config_for
-from bov_jax.torch_format import read_state_dict, write_state_dict
 
 
 def _mapping(model: GPT) -> Iterator[tuple[str, tuple, bool]]:
@@ -196,13 +196,13 @@ class _NoDataStreams:
 def checkpoint_files(checkpoint_dir: Path, step: int | None) -> tuple[int, Path, Path]:
     """(step, model_*.pt, meta_*.json) of `step`, or of the latest step in the directory."""
     if not checkpoint_dir.is_dir():
-        raise cli.UserError(f"--checkpoint_dir={checkpoint_dir} is not a directory")
+        raise UserError(f"--checkpoint_dir={checkpoint_dir} is not a directory")
     if step is None:
         steps = [
             int(m[1]) for p in checkpoint_dir.iterdir() if (m := _MODEL_FILE.fullmatch(p.name))
         ]
         if not steps:
-            raise cli.UserError(f"{checkpoint_dir} holds no model_<step>.pt checkpoint")
+            raise UserError(f"{checkpoint_dir} holds no model_<step>.pt checkpoint")
         step = max(steps)
     model, meta = (
         checkpoint_dir / f"{kind}_{step:06d}{ext}"
@@ -210,7 +210,7 @@ def checkpoint_files(checkpoint_dir: Path, step: int | None) -> tuple[int, Path,
     )
     for path in (model, meta):
         if not path.is_file():
-            raise cli.UserError(f"{path} not found (step {step} of {checkpoint_dir})")
+            raise UserError(f"{path} not found (step {step} of {checkpoint_dir})")
     return step, model, meta
 
 
@@ -219,7 +219,7 @@ def preset_for(model_type: str, depth: int) -> str:
     names = [name for name, p in PRESETS.items() if p.reference == model_type]
     if not names:
         known = sorted({p.reference for p in PRESETS.values()})
-        raise cli.UserError(f"meta model_type={model_type!r} is unknown; known: {', '.join(known)}")
+        raise UserError(f"meta model_type={model_type!r} is unknown; known: {', '.join(known)}")
     return next((n for n in names if PRESETS[n].depth == depth), names[0])
 
 
@@ -229,7 +229,7 @@ def reference_model_type(config: ml_collections.ConfigDict) -> str:
     for preset in PRESETS.values():
         if preset.value_path == value_path:
             return preset.reference
-    raise cli.UserError(
+    raise UserError(
         f"model.value_path {dataclasses.asdict(value_path)} is none of the reference's model types"
     )
 
@@ -238,13 +238,13 @@ def config_from_meta(meta: dict, table_dtype: str, source: Path) -> ml_collectio
     """Our config for the authors' meta json (model_type, model_config)."""
     model_cfg = meta.get("model_config")
     if not isinstance(model_cfg, dict) or "model_type" not in meta:
-        raise cli.UserError(f"{source}: expected the keys model_type and model_config")
+        raise UserError(f"{source}: expected the keys model_type and model_config")
     missing = [k for k in _MODEL_CONFIG_KEYS if k not in model_cfg]
     if missing:
-        raise cli.UserError(f"{source}: model_config lacks {', '.join(missing)}")
+        raise UserError(f"{source}: model_config lacks {', '.join(missing)}")
     n_embd, n_head = int(model_cfg["n_embd"]), int(model_cfg["n_head"])
     if int(model_cfg.get("n_kv_head", n_head)) != n_head:
-        raise cli.UserError(f"{source}: n_kv_head != n_head (GQA) is not supported")
+        raise UserError(f"{source}: n_kv_head != n_head (GQA) is not supported")
     config = config_for(preset_for(meta["model_type"], int(model_cfg["n_layer"])))
     config.model.update(
         depth=int(model_cfg["n_layer"]),
@@ -295,7 +295,7 @@ def import_checkpoint(
     step, model_file, meta_file = checkpoint_files(checkpoint_dir, step)
     tokenizer_file = Path(tokenizer) if tokenizer else checkpoint_dir / PICKLE_FILE
     if not tokenizer_file.is_file():
-        raise cli.UserError(f"tokenizer {tokenizer_file} not found; pass --tokenizer=PATH")
+        raise UserError(f"tokenizer {tokenizer_file} not found; pass --tokenizer=PATH")
     tensors = read_state_dict(model_file)
     wte = tensors.get("transformer.wte.weight")
     table_dtype = "bfloat16" if wte is not None and wte.dtype == ml_dtypes.bfloat16 else "float32"
@@ -303,12 +303,12 @@ def import_checkpoint(
         meta = json.loads(meta_file.read_text())
         vocab = load_tiktoken(tokenizer_file).vocab_size
     except ValueError as err:  # JSONDecodeError, DataError: both name their file
-        raise cli.UserError(
+        raise UserError(
             f"{meta_file}: {err}" if isinstance(err, json.JSONDecodeError) else str(err)
         ) from err
     config = config_from_meta(meta, table_dtype, meta_file)
     if vocab != config.model.vocab_size:
-        raise cli.UserError(
+        raise UserError(
             f"tokenizer {tokenizer_file} has {vocab} tokens but {meta_file} says vocab_size "
             f"{config.model.vocab_size}"
         )
@@ -326,7 +326,7 @@ def import_checkpoint(
     try:
         load_state_dict(model, tensors, str(model_file))
     except ValueError as err:
-        raise cli.UserError(str(err)) from err
+        raise UserError(str(err)) from err
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     state = state._replace(step=jnp.asarray(step, jnp.int32), params=params)
     config_dict = json.loads(config.to_json_best_effort())
@@ -351,7 +351,7 @@ def export_checkpoint(workdir: str | Path, out_dir: str | Path, step: int | None
         finally:
             checkpoints.close()
         if step is None:
-            raise cli.UserError(f"{workdir} holds no checkpoint")
+            raise UserError(f"{workdir} holds no checkpoint")
     model, tokenizer, config = load_model_and_tokenizer(workdir, step)
     tensors = {
         name: value.astype(ml_dtypes.bfloat16) if _TABLES.fullmatch(name) else value
@@ -365,38 +365,3 @@ def export_checkpoint(workdir: str | Path, out_dir: str | Path, step: int | None
     if Path(tokenizer.path).suffix == ".pkl":
         shutil.copyfile(tokenizer.path, out_dir / PICKLE_FILE)
     return model_file
-
-
-FLAGS = flags.FLAGS
-
-
-def define_flags() -> None:
-    """The CLI's flags (defined only when run, so that importing this module defines none)."""
-    flags.DEFINE_string("checkpoint_dir", None, "import: the authors' checkpoint directory")
-    flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
-    flags.DEFINE_string("tokenizer", None, "import: tokenizer.pkl (default: CHECKPOINT_DIR's)")
-    flags.DEFINE_string("data_dir", None, "import: corpus for evals.bpb (default: embedded)")
-    flags.DEFINE_string("workdir", None, "import: the workdir to create; export: the run")
-    flags.DEFINE_string("out", None, "export: directory for model_*.pt, meta_*.json")
-
-
-def main(argv: list[str]) -> None:
-    command = argv[1:] or [""]
-    if command[0] == "import" and len(command) == 1:
-        if not (FLAGS.checkpoint_dir and FLAGS.workdir):
-            raise cli.UserError("import needs --checkpoint_dir and --workdir")
-        step = import_checkpoint(
-            FLAGS.checkpoint_dir, FLAGS.workdir, FLAGS.step, FLAGS.tokenizer, FLAGS.data_dir
-        )
-        print(f"imported step {step} of {FLAGS.checkpoint_dir} into {FLAGS.workdir}")
-    elif command[0] == "export" and len(command) == 1:
-        if not (FLAGS.workdir and FLAGS.out):
-            raise cli.UserError("export needs --workdir and --out")
-        print(f"wrote {export_checkpoint(FLAGS.workdir, FLAGS.out, FLAGS.step)}")
-    else:
-        raise cli.UserError(f"expected the command 'import' or 'export', got {argv[1:]}")
-
-
-if __name__ == "__main__":
-    define_flags()
-    cli.run(main)

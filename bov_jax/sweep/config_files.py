@@ -16,7 +16,7 @@ from typing import Any
 
 import ml_collections
 
-from bov_jax.cli import UserError
+from bov_jax.errors import UserError
 
 
 def load_python_file(path: str | Path, what: str) -> Any:

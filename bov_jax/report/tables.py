@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bov_jax.experiments.runs import Run, Sweep, coefficient_sort_key
-from bov_jax.experiments.stats import paired_difference, summarize
+from bov_jax.report.runs import Run, Sweep, coefficient_sort_key
+from bov_jax.report.stats import paired_difference, summarize
 
 CONFIDENCE = 0.95
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from absl import flags
 
 from bov_jax import cli
-from bov_jax.experiments import sweep as sweeps
+from bov_jax.errors import UserError
+from bov_jax.sweep import jobs as sweeps
 
 flags.DEFINE_string("sweep", None, "Sweep file, e.g. configs/sweeps/table1.py.")
 flags.DEFINE_string("root", None, "Directory of the sweep: DIR/<run>/seed<k>/ per job.")
@@ -35,7 +36,7 @@ FLAGS = flags.FLAGS
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        raise cli.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.getLogger("jax").setLevel(logging.WARNING)  # no backend-probing chatter
     sweep = sweeps.load_sweep(FLAGS.sweep)
     root = Path(FLAGS.root).resolve()
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> None:
         failed = sweeps.run_local(jobs)
         if failed:
             names = ", ".join(f"{job.run.name}/seed{job.seed}" for job in failed)
-            raise cli.UserError(f"{len(failed)} of {len(jobs)} jobs did not finish: {names}")
+            raise UserError(f"{len(failed)} of {len(jobs)} jobs did not finish: {names}")
         print(f"all {len(jobs)} jobs finished; report: python -m bov_jax.report --root={root}")
 
 

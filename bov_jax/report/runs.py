@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bov_jax.cli import UserError
+from bov_jax.errors import UserError
 
 SEED_DIR = re.compile(r"seed(\d+)$")
 CORE_FILE = re.compile(r"core_step(\d+)\.json$")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bov_jax.experiments import figures, tables
-from bov_jax.experiments.runs import Sweep
 from bov_jax.files import write_text_atomic
+from bov_jax.report import figures, tables
+from bov_jax.report.runs import Sweep
 
 LAYOUT_TITLES = {
     "table1": "Table 1 layout (d12 value paths)",

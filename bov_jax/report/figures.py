@@ -14,8 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bov_jax.experiments.runs import Run, Sweep, coefficient_sort_key  # noqa: E402
 from bov_jax.files import atomic_file
+from bov_jax.report.runs import Run, Sweep, coefficient_sort_key  # noqa: E402
 
 DPI = 120
 

@@ -2,7 +2,7 @@
 
 values: for every layer of the run's checkpoint, on val text, R^2 of the value vectors (and,
 as references, the keys and the residual stream) against their mean per token id; written to
-RUN/analysis/values_step<N>.json and .png. See bov_jax/experiments/analysis.py.
+RUN/analysis/values_step<N>.json and .png. See bov_jax/analysis/values.py.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from absl import flags
 
 from bov_jax import cli
+from bov_jax.errors import UserError
 
 ANALYSES = ("values",)
 
@@ -23,15 +24,15 @@ def define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
-    from bov_jax.experiments.analysis import analyze_values
+    from bov_jax.analysis.values import analyze_values
 
     if argv[1:] != ["values"]:
-        raise cli.UserError(f"expected one analysis, one of {ANALYSES}; got {argv[1:]}")
+        raise UserError(f"expected one analysis, one of {ANALYSES}; got {argv[1:]}")
     f = flags.FLAGS
     if not f.workdir:
-        raise cli.UserError("--workdir=RUN is required")
+        raise UserError("--workdir=RUN is required")
     if f.tokens <= 0 or f.batch_rows <= 0:
-        raise cli.UserError(f"--tokens={f.tokens} --batch_rows={f.batch_rows}; expected > 0")
+        raise UserError(f"--tokens={f.tokens} --batch_rows={f.batch_rows}; expected > 0")
     path = analyze_values(f.workdir, f.tokens, f.batch_rows, f.step)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

@@ -147,7 +147,7 @@ def val_token_batches(config: Any, tokenizer: Any, tokens: int, rows: int) -> li
 
 def values_figure(result: dict[str, Any], path: Path) -> Path:
     """R^2 per layer of values, keys and the residual stream; target layers shaded."""
-    from bov_jax.experiments.figures import plt, save
+    from bov_jax.report.figures import plt, save
 
     fig, ax = plt.subplots(figsize=(7, 4))
     layers = [row["layer"] for row in result["layers"]]

@@ -10,7 +10,7 @@ The format (torch >= 1.6): an uncompressed zip whose entries sit under one direc
     NAME/byteorder     "little"
     NAME/version       the format version
 
-`read_state_dict` unpickles data.pkl through `bov_jax.safe_pickle` with only those globals
+`read_state_dict` unpickles data.pkl through `bov_jax.interop.safe_pickle` with only those globals
 (and collections.OrderedDict) allowed, mapped to NumPy builders: a checkpoint that names
 anything else is refused before anything runs. bf16 storages become ml_dtypes.bfloat16.
 `write_state_dict` writes the same layout (protocol 2, 64-byte aligned storages, as torch
@@ -30,9 +30,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from bov_jax.cli import UserError
+from bov_jax.errors import UserError
 from bov_jax.files import atomic_file
-from bov_jax.safe_pickle import restricted_loads
+from bov_jax.interop.safe_pickle import restricted_loads
 
 STORAGE_DTYPES: dict[str, np.dtype] = {
     "FloatStorage": np.dtype(np.float32),

@@ -14,7 +14,7 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from bov_jax.cli import UserError
+from bov_jax.errors import UserError
 
 
 class UnsafePickleError(UserError):

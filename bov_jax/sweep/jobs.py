@@ -13,7 +13,7 @@ changes the model init and the data order. The engines only receive those comman
           launch/slurm.sbatch (requeue until finished, as for a single run);
   tpu     writes ROOT/tpu_commands.sh, one launch/tpu_pod.sh command per job.
 
-ROOT/sweep.json records the expanded sweep for the report (bov_jax.experiments.report).
+ROOT/sweep.json records the expanded sweep for the report (bov_jax.report.markdown).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bov_jax.cli import UserError
-from bov_jax.experiments.configs import apply_override, load_config, load_python_file
+from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic, write_text_atomic
+from bov_jax.sweep.config_files import apply_override, load_config, load_python_file
 
 LAYOUTS = ("table1", "d24", "fig5b", "plain")
 LAUNCHERS = ("local", "slurm", "tpu")

@@ -1,2 +1,0 @@
-"""Experiments on top of the trainer: sweeps (runs x seeds -> workdirs -> an engine), reports
-and analyses that only read workdirs. Nothing in the trainer imports this package."""
