@@ -53,6 +53,7 @@ def tiny_config(**train):
         total_batch_tokens=512,
         device_batch_size=4,
         eval_every=2,
+        log_every=1,  # coefficients in every record
         eval_tokens=512,
         sample_tokens=0,  # no sampler to compile
     )
@@ -208,22 +209,30 @@ def test_init_params_from_takes_the_parameters_only(trained, tmp_path):
         loop.run(config, tmp_path / "deeper")
 
 
-def test_eval_records_carry_the_learned_coefficients(trained):
-    """Every eval record holds gamma per BoV layer and smear_lambda, equal to the parameters
-    of that step (the final record's to the saved step-4 parameters)."""
+def test_records_carry_the_learned_coefficients(trained):
+    """Every eval record and every log-step record (train.log_every = 1: all of them) holds
+    gamma per BoV layer and smear_lambda, equal to the parameters of that step (the final
+    record's to the saved step-4 parameters); they change from step to step."""
     from bov_jax.model.gpt import learned_coefficients
 
-    evals = [r for r in metrics(trained) if "val_bpb" in r]
-    assert [r["step"] for r in evals] == [0, 2, 4]
-    assert all(set(r["coefficients"]) == {"gamma/1", "smear_lambda"} for r in evals)
-    assert evals[0]["coefficients"] == {"gamma/1": 1.0, "smear_lambda": 0.0}
+    records = metrics(trained)
+    assert [r["step"] for r in records if "val_bpb" in r] == [0, 2, 4]
+    assert [r["step"] for r in records if "coefficients" in r] == [0, 1, 2, 3, 4]
+    assert all(set(r["coefficients"]) == {"gamma/1", "smear_lambda"} for r in records)
+    assert records[0]["coefficients"] == {"gamma/1": 1.0, "smear_lambda": 0.0}
+    gammas = [r["coefficients"]["gamma/1"] for r in records]
+    # the zero-initialised output projections give gamma no gradient in step 0; from then on
+    # it moves at every step, between the evals too
+    assert gammas[1] == 1.0 and len(set(gammas[1:])) == 4
     config = tiny_config()
     mesh = sharding.make_mesh(config.mesh)
     _, state, _, _ = create_train_state(config, training_plan(config), mesh)
     params = load_parameters(trained / "checkpoints" / "4", state.params)
     saved = learned_coefficients(params)
     assert saved["gamma/1"] != 1.0 and saved["smear_lambda"] != 0.0  # they did train
-    assert evals[-1]["coefficients"] == saved
+    assert records[-1]["coefficients"] == saved
+    step2 = load_parameters(trained / "checkpoints" / "2", state.params)
+    assert records[2]["coefficients"] == learned_coefficients(step2)
 
 
 def poison_call(bad_calls: set[int]):

@@ -1,10 +1,12 @@
 """Read a sweep root (or one workdir) into runs and seeds, tolerating anything partial.
 
-A root holds `sweep.json` (written by the sweep command) and run workdirs `ROOT/<run>/seed<k>/`;
-without sweep.json the runs are inferred from those directories. A workdir holds config.json,
-metrics.jsonl (one JSON record per line; eval records carry `val_bpb` and `coefficients`),
-status.json ({"step", "num_steps"}) and evals/core_step<N>.json. Whatever is missing or
-damaged is noted in `SeedRun.problems` and the rest is still read.
+A root holds `sweep.json` (written by the sweep command: the runs its invocations selected,
+their workdirs `ROOT/<run>/seed<k>/`, the invocations and the runs none selected) or, without
+it, run workdirs from which the runs are inferred. A workdir holds config.json, metrics.jsonl
+(one JSON record per line; eval records carry `val_bpb`, eval and log-step records
+`coefficients`), status.json ({"step", "num_steps"}), evals/core_step<N>.json and
+evals/bpb_step<N>.json (the full-split val BPB of `python -m bov_jax.evals.bpb`). Whatever is
+missing or damaged is noted in `SeedRun.problems` and the rest is still read.
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ class SeedRun:
     workdir: Path
     config: dict[str, Any] | None = None
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # by step
+    # (step, {name: value}) of every record with coefficients (eval and log steps), by step
+    coefficient_history: list[tuple[int, dict[str, float]]] = dataclasses.field(
+        default_factory=list
+    )
     status: dict[str, Any] | None = None
     core: dict[str, Any] | None = None  # the latest evals/core_step<N>.json
+    bpb_file: dict[str, Any] | None = None  # evals/bpb_step<N>.json at the end, when preferred
     flops_per_step: float | None = None
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -43,19 +50,33 @@ class SeedRun:
 
     @property
     def final_bpb(self) -> float | None:
-        """Val BPB at the final step of a finished run (None if unfinished or not evaluated)."""
-        if not self.finished or not self.evals:
+        """Val BPB at the final step of a finished run (None if unfinished or not evaluated):
+        the full-split evals/bpb_step<N>.json where `prefer_full_split_bpb` found one, else
+        the in-training eval of metrics.jsonl."""
+        if not self.finished:
+            return None
+        if self.bpb_file is not None:
+            return float(self.bpb_file["val_bpb"])
+        if not self.evals:
             return None
         last = self.evals[-1]
         return last["val_bpb"] if last["step"] >= self.status["num_steps"] else None
 
     @property
+    def bpb_source(self) -> str:
+        """Where `final_bpb` comes from, in words."""
+        if self.bpb_file is not None:
+            tokens = self.bpb_file.get("tokens")
+            size = f", {tokens:,} tokens" if isinstance(tokens, int) else ""
+            return f"evals/bpb_step{self.bpb_file.get('step')}.json (full val split{size})"
+        tokens = ((self.config or {}).get("train") or {}).get("eval_tokens")
+        size = f", train.eval_tokens = {tokens:,}" if isinstance(tokens, int) else ""
+        return f"metrics.jsonl (the in-training eval at the final step{size})"
+
+    @property
     def coefficients(self) -> dict[str, float]:
-        """The coefficients of the last eval record that has them."""
-        for record in reversed(self.evals):
-            if record.get("coefficients"):
-                return record["coefficients"]
-        return {}
+        """The coefficients of the last record that has them."""
+        return self.coefficient_history[-1][1] if self.coefficient_history else {}
 
 
 @dataclasses.dataclass
@@ -88,12 +109,14 @@ class Run:
 
 @dataclasses.dataclass
 class Sweep:
-    root: Path
+    root: Path  # as the user named it
     name: str
     title: str
     layout: str  # "table1", "d24", "fig5b" or "runs" (inferred)
     baseline: str | None
     runs: list[Run]
+    invocations: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # sweep.json's
+    left_out: list[str] = dataclasses.field(default_factory=list)  # runs no invocation selected
 
 
 def read_json(path: Path, problems: list[str]) -> Any:
@@ -108,31 +131,36 @@ def read_json(path: Path, problems: list[str]) -> Any:
         return None
 
 
-def read_eval_records(path: Path, problems: list[str]) -> list[dict[str, Any]]:
-    """metrics.jsonl's records with a finite val_bpb, one per step (the last wins), by step."""
+def read_metrics(path: Path, problems: list[str]) -> tuple[list[dict], list[tuple[int, dict]]]:
+    """metrics.jsonl's eval records (a finite val_bpb; one per step, the last wins) and its
+    (step, coefficients) history, both by step."""
     if not path.is_file():
         problems.append("no metrics.jsonl")
-        return []
-    by_step: dict[int, dict[str, Any]] = {}
+        return [], []
+    evals: dict[int, dict[str, Any]] = {}
+    coefficients: dict[int, dict[str, float]] = {}
     bad, non_finite = 0, []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
-            step, bpb = int(record["step"]), float(record["val_bpb"])
-        except KeyError:
-            continue  # a training record without an eval
-        except (ValueError, TypeError):
+            step = int(record["step"])
+            bpb = float(record["val_bpb"]) if "val_bpb" in record else None
+        except (ValueError, TypeError, KeyError):
             bad += 1
             continue
+        if isinstance(record.get("coefficients"), dict) and record["coefficients"]:
+            coefficients[step] = record["coefficients"]
+        if bpb is None:
+            continue  # a training record without an eval
         if math.isfinite(bpb):
-            by_step[step] = record
+            evals[step] = record
         else:
             non_finite.append(step)
     if bad:
         problems.append(f"{bad} unreadable line(s) in metrics.jsonl")
     if non_finite:
         problems.append(f"non-finite val BPB at step(s) {non_finite}")
-    return [by_step[s] for s in sorted(by_step)]
+    return [evals[s] for s in sorted(evals)], sorted(coefficients.items())
 
 
 def latest_core(workdir: Path, problems: list[str]) -> dict[str, Any] | None:
@@ -167,7 +195,7 @@ def read_seed_run(workdir: Path, seed: int) -> SeedRun:
         run.problems.append("workdir missing")
         return run
     run.config = read_json(workdir / "config.json", run.problems)
-    run.evals = read_eval_records(workdir / "metrics.jsonl", run.problems)
+    run.evals, run.coefficient_history = read_metrics(workdir / "metrics.jsonl", run.problems)
     run.status = read_json(workdir / "status.json", run.problems)
     if run.finished and run.final_bpb is None:
         run.problems.append("no val BPB at the final step")
@@ -191,20 +219,28 @@ def load_sweep(root: str | Path) -> Sweep:
 
 
 def sweep_from_file(root: Path) -> Sweep:
+    """The runs sweep.json lists. A run whose `workdirs` is empty was never selected (left out
+    by --only); a hand-written entry without `workdirs` takes ROOT/<run>/seed<k> for `seeds`."""
     path = root / "sweep.json"
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
-        runs = []
+        runs, left_out = [], list(spec.get("left_out", []))
         for entry in spec["runs"]:
-            workdirs = {int(k): v for k, v in entry.get("workdirs", {}).items()}
-            seeds = workdirs or {int(s): f"{entry['name']}/seed{s}" for s in spec.get("seeds", [])}
+            if "workdirs" in entry:
+                workdirs = {int(k): v for k, v in entry["workdirs"].items()}
+            else:
+                workdirs = {int(s): f"{entry['name']}/seed{s}" for s in spec.get("seeds", [])}
+            if not workdirs:
+                left_out.append(entry["name"])
+                continue
             run = Run(entry["name"], entry.get("config", ""), entry.get("paper") or {})
-            for seed, rel in sorted(seeds.items()):
+            for seed, rel in sorted(workdirs.items()):
                 if (root / rel).is_dir():
                     run.seeds[seed] = read_seed_run(root / rel, seed)
                 else:
                     run.missing_seeds.append(seed)
             runs.append(run)
+        invocations = list(spec.get("invocations", []))
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise UserError(
             f"{path}: not a sweep description ({type(err).__name__}: {err}); expected "
@@ -217,6 +253,8 @@ def sweep_from_file(root: Path) -> Sweep:
         layout=spec.get("layout", "runs"),
         baseline=spec.get("baseline"),
         runs=runs,
+        invocations=invocations,
+        left_out=left_out,
     )
 
 
@@ -236,12 +274,31 @@ def infer_sweep(root: Path) -> Sweep:
     return Sweep(root, root.name, "", "runs", baseline, runs)
 
 
+def prefer_full_split_bpb(run: SeedRun) -> None:
+    """Take a finished run's final val BPB from evals/bpb_step<N>.json at its final step N (a
+    full pass of the val split) instead of the in-training eval, where that file exists."""
+    if not run.finished:
+        return
+    path = run.workdir / "evals" / f"bpb_step{run.status['step']}.json"
+    if not path.is_file():
+        return
+    payload = read_json(path, run.problems)
+    try:
+        if math.isfinite(float(payload["val_bpb"])):
+            run.bpb_file = payload
+            return
+    except (TypeError, KeyError, ValueError):
+        pass
+    run.problems.append(f"{path.name} holds no finite val_bpb")
+
+
 def single_run(workdir: str | Path) -> Sweep:
     """One workdir as a sweep of one run and one seed (the config's seed)."""
     workdir = Path(workdir)
     if not (workdir / "config.json").is_file():
         raise UserError(f"--workdir={workdir}: no config.json; is it a bov_jax workdir?")
     seed_run = read_seed_run(workdir, 0)
+    prefer_full_split_bpb(seed_run)
     seed_run.seed = int((seed_run.config or {}).get("seed", 0))
     name = (seed_run.config or {}).get("name") or workdir.name
     run = Run(name, seeds={seed_run.seed: seed_run})

@@ -10,6 +10,8 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+CONFIDENCE = 0.95  # of every interval the report shows
+
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
@@ -36,6 +38,11 @@ class PairedDifference:
     low: float
     high: float
     n: int
+
+    @property
+    def excludes_zero(self) -> bool:
+        """Whether the interval lies wholly on one side of 0 (False without an interval)."""
+        return self.n >= 2 and (self.high < 0.0 or self.low > 0.0)
 
     def cell(self, digits: int = 4) -> str:
         """`+d [lo, hi] (n=k)`; with one pair there is no interval."""
@@ -97,12 +104,16 @@ def t_quantile(confidence: float, df: int) -> float:
     return 0.5 * (low + high)
 
 
+def paired_diffs(run: Mapping[int, float], baseline: Mapping[int, float]) -> dict[int, float]:
+    """{seed: run[seed] - baseline[seed]} over the seeds both have, by seed."""
+    return {s: run[s] - baseline[s] for s in sorted(run.keys() & baseline.keys())}
+
+
 def paired_difference(
-    run: Mapping[int, float], baseline: Mapping[int, float], confidence: float = 0.95
+    run: Mapping[int, float], baseline: Mapping[int, float], confidence: float = CONFIDENCE
 ) -> PairedDifference:
     """Mean of run[seed] - baseline[seed] over the seeds both have, with a t-interval."""
-    diffs = [run[s] - baseline[s] for s in sorted(run.keys() & baseline.keys())]
-    summary = summarize(diffs)
+    summary = summarize(list(paired_diffs(run, baseline).values()))
     if summary.n < 2:
         return PairedDifference(summary.mean, math.nan, math.nan, summary.n)
     half = t_quantile(confidence, summary.n - 1) * summary.std / math.sqrt(summary.n)

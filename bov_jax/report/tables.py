@@ -7,13 +7,13 @@ printed beside ours where the run has a paper row.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from bov_jax.report.runs import Run, Sweep, coefficient_sort_key
-from bov_jax.report.stats import paired_difference, summarize
-
-CONFIDENCE = 0.95
+from bov_jax.report.stats import CONFIDENCE, paired_difference, summarize
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -137,7 +137,8 @@ def status_lines(sweep: Sweep) -> list[str]:
                 else "; no eval yet"
             )
             problems = f"; {', '.join(s.problems)}" if s.problems else ""
-            lines.append(f"- {run.name} seed {seed} ({s.workdir}): {state}{latest}{problems}")
+            where = Path(os.path.relpath(s.workdir, sweep.root)).as_posix()  # no machine path
+            lines.append(f"- {run.name} seed {seed} ({where}): {state}{latest}{problems}")
     return lines
 
 

@@ -46,7 +46,9 @@ def main(argv: list[str]) -> None:
     print(sweeps.describe(jobs))
     if FLAGS.dry_run:
         return
-    sweeps.write_sweep_record(sweep, root, jobs)
+    selection = sweeps.invocation_record(FLAGS.only, seeds, FLAGS.override)
+    record = sweeps.write_sweep_record(sweep, root, jobs, selection)
+    print(f"recorded in {root / 'sweep.json'}: {record['title']}")
     invocation = shlex.join(["python", "-m", "bov_jax.sweep", *sys.argv[1:]])
     if FLAGS.launcher == "slurm":
         path = root / "slurm_array.sbatch"
@@ -61,7 +63,8 @@ def main(argv: list[str]) -> None:
         if failed:
             names = ", ".join(f"{job.run.name}/seed{job.seed}" for job in failed)
             raise UserError(f"{len(failed)} of {len(jobs)} jobs did not finish: {names}")
-        print(f"all {len(jobs)} jobs finished; report: python -m bov_jax.report --root={root}")
+        report = f"python -m bov_jax.report --root={FLAGS.root}"
+        print(f"all {len(jobs)} jobs finished; report: {report}")
 
 
 if __name__ == "__main__":

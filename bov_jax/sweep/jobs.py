@@ -13,7 +13,8 @@ changes the model init and the data order. The engines only receive those comman
           launch/slurm.sbatch (requeue until finished, as for a single run);
   tpu     writes ROOT/tpu_commands.sh, one launch/tpu_pod.sh command per job.
 
-ROOT/sweep.json records the expanded sweep for the report (bov_jax.report.markdown).
+ROOT/sweep.json records what ran for the report (bov_jax.report.markdown): the runs selected
+by every invocation so far, each workdir's horizon and overrides, and the title with both.
 """
 
 from __future__ import annotations
@@ -178,44 +179,114 @@ def expand(
     return jobs
 
 
-def sweep_record(sweep: Sweep, root: Path, jobs: Sequence[Job]) -> dict[str, Any]:
-    """ROOT/sweep.json: the whole sweep (every run, run or not) and the workdirs made so far."""
+def invocation_record(only: Sequence[str], seeds: int, overrides: Sequence[str]) -> dict:
+    """What one sweep command selected: --only (empty: every run), --seeds and --override."""
+    return {"only": list(only), "seeds": seeds, "overrides": list(overrides)}
+
+
+def job_record(job: Job) -> dict[str, Any]:
+    """One workdir's plan as sweep.json keeps it: its horizon and its exact overrides."""
+    return {
+        "num_steps": job.num_steps,
+        "total_batch_tokens": job.total_batch_tokens,
+        "total_flops": job.total_flops,
+        "overrides": list(job.overrides),
+    }
+
+
+def span(values: Sequence[Any], fmt) -> str:
+    """fmt of the one value, or 'fmt(min)-fmt(max)' when they differ once formatted."""
+    low, high = fmt(min(values)), fmt(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
+def short_float(x: float) -> str:
+    """1.5e+18 -> '1.5e18' (two significant digits)."""
+    return f"{x:.2g}".replace("e+", "e")
+
+
+def horizon(jobs: Sequence[dict[str, Any]]) -> str:
+    """'120 steps of 4,096 tokens, 4.7e12 FLOPs' over job records (ranges where they differ)."""
+    steps = span([j["num_steps"] for j in jobs], "{:,}".format)
+    tokens = span([j["total_batch_tokens"] for j in jobs], "{:,}".format)
+    flops = span([j["total_flops"] for j in jobs], short_float)
+    return f"{steps} steps of {tokens} tokens, {flops} FLOPs"
+
+
+def record_title(sweep: Sweep, runs: Sequence[dict[str, Any]], invocations: Sequence[dict]) -> str:
+    """The sweep's title with what ran: the horizon, the runs x seeds, every --override."""
+    jobs = [job for run in runs for job in run["jobs"].values()]
+    title = f"{sweep.title}, {horizon(jobs)}" if jobs else sweep.title
+    counts = sorted({len(run["workdirs"]) for run in runs})
+    seeds = span(counts, str) + (" seed" if counts == [1] else " seeds")
+    selected = (
+        f"{len(runs)}" if len(runs) == len(sweep.runs) else f"{len(runs)} of {len(sweep.runs)}"
+    )
+    parts = [title, f"{selected} runs x {seeds}"]
+    overrides = list(dict.fromkeys(o for inv in invocations for o in inv["overrides"]))
+    if overrides:
+        parts.append(f"override {', '.join(overrides)}")
+    return "; ".join(parts)
+
+
+def by_seed(entries: dict[str, Any]) -> dict[str, Any]:
+    """{"10": .., "2": ..} -> in seed order {"2": .., "10": ..}."""
+    return dict(sorted(entries.items(), key=lambda kv: int(kv[0])))
+
+
+def sweep_record(
+    sweep: Sweep, root: Path, jobs: Sequence[Job], invocation: dict[str, Any]
+) -> dict[str, Any]:
+    """ROOT/sweep.json: the runs that have workdirs (this invocation's and earlier ones'), each
+    workdir's horizon and overrides, every invocation, and the runs no invocation selected."""
     previous = {}
     if (root / "sweep.json").exists():
         try:
             previous = json.loads((root / "sweep.json").read_text())
         except ValueError:
             previous = {}
-    old_workdirs = {r["name"]: r.get("workdirs", {}) for r in previous.get("runs", [])}
-    seeds = sorted(set(previous.get("seeds", [])) | {job.seed for job in jobs})
-    runs = []
+    old = {r["name"]: r for r in previous.get("runs", [])}
+    invocations = [i for i in previous.get("invocations", []) if i != invocation] + [invocation]
+    runs, left_out = [], []
     for run in sweep.runs:
-        workdirs = dict(old_workdirs.get(run.name, {}))
+        workdirs = dict(old.get(run.name, {}).get("workdirs", {}))
+        planned = dict(old.get(run.name, {}).get("jobs", {}))
         for job in jobs:
             if job.run.name == run.name:
                 workdirs[str(job.seed)] = str(job.workdir.relative_to(root))
+                planned[str(job.seed)] = job_record(job)
+        if not workdirs:
+            left_out.append(run.name)
+            continue
         runs.append(
             {
                 "name": run.name,
                 "config": run.config,
-                "overrides": {**sweep.overrides, **run.overrides},
                 "paper": run.paper,
-                "workdirs": dict(sorted(workdirs.items(), key=lambda kv: int(kv[0]))),
+                "workdirs": by_seed(workdirs),
+                "jobs": by_seed(planned),
             }
         )
+    seeds = sorted({int(s) for run in runs for s in run["workdirs"]})
     return {
         "sweep": sweep.name,
-        "title": sweep.title,
+        "title": record_title(sweep, runs, invocations),
         "layout": sweep.layout,
         "baseline": sweep.baseline,
         "seeds": seeds,
+        "invocations": invocations,
         "runs": runs,
+        "left_out": left_out,
     }
 
 
-def write_sweep_record(sweep: Sweep, root: Path, jobs: Sequence[Job]) -> None:
+def write_sweep_record(
+    sweep: Sweep, root: Path, jobs: Sequence[Job], invocation: dict[str, Any]
+) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(root / "sweep.json", sweep_record(sweep, root, jobs))
+    record = sweep_record(sweep, root, jobs, invocation)
+    write_json_atomic(root / "sweep.json", record)
+    return record
 
 
 def describe(jobs: Sequence[Job]) -> str:

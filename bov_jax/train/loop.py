@@ -393,13 +393,15 @@ class Trainer:
         return step % self.config.train.eval_every == 0 or step >= self.plan.num_steps
 
     def record_start(self, step: int, params: dict, final: dict) -> dict[str, Any]:
-        """The step's record before its update: the val BPB where due (and the unigram line)."""
+        """The step's record before its update: the learned coefficients every log step, the
+        val BPB where due (and the unigram line)."""
         record: dict[str, Any] = {"step": step}
         if step == 0 and "unigram_bpb" in final:
             record["unigram_bpb"] = final["unigram_bpb"]
+        if self.eval_due(step) or step % self.config.train.log_every == 0:
+            record["coefficients"] = learned_coefficients(params)  # a few scalars: cheap
         if self.eval_due(step):
             record["val_bpb"] = final["val_bpb"] = self.evaluate(params)
-            record["coefficients"] = learned_coefficients(params)
             log.info("Step %05d | Validation bpb: %.6f", step, record["val_bpb"])
             self.throughput.restart()
         return record

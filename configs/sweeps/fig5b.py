@@ -20,7 +20,7 @@ ARMS = (
 def get_sweep() -> Sweep:
     return Sweep(
         name="fig5b",
-        title="Fig. 5(b): BoV components at d12, 1.5e18 FLOPs",
+        title="Fig. 5(b): BoV components at d12",
         layout="fig5b",
         baseline="d12_bov",
         seeds=1,

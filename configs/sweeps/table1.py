@@ -36,7 +36,7 @@ def paper_row(output: str, target: str, coeff: str, val_bpb: float | None) -> di
 def get_sweep() -> Sweep:
     return Sweep(
         name="table1",
-        title="Table 1: value paths at d12, 1.5e18 FLOPs",
+        title="Table 1: value paths at d12",
         layout="table1",
         baseline="d12",
         seeds=1,

@@ -29,7 +29,7 @@ def depth4_target(target: str) -> str:
 def get_sweep() -> Sweep:
     return Sweep(
         name="table1_cpu",
-        title=f"Table 1 at CPU scale: quickstart models (depth 4, width 256), {STEPS} steps",
+        title="Table 1 at CPU scale: quickstart models (depth 4, width 256)",
         layout="table1",
         baseline="d12",
         seeds=3,

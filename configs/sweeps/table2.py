@@ -10,7 +10,7 @@ from bov_jax.sweep.jobs import Run, Sweep
 def get_sweep() -> Sweep:
     return Sweep(
         name="table2",
-        title="Table 2: d24 at 100B tokens",
+        title="Table 2: d24 baseline and BoV",
         layout="d24",
         baseline="d24",
         seeds=1,

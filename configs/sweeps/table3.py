@@ -20,7 +20,7 @@ ROWS = (
 def get_sweep() -> Sweep:
     return Sweep(
         name="table3",
-        title="Table 3: d24 value paths at 3.91e19 FLOPs",
+        title="Table 3: d24 value paths",
         layout="d24",
         baseline="d24",
         seeds=1,
