@@ -4,6 +4,7 @@ runs, and overrides read like --config flags."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,16 +110,50 @@ def test_slurm_script_is_valid_bash_and_tpu_commands(tmp_path):
     subprocess.run(["bash", "-n", "-c", tpu], check=True)
 
 
+def record_of(sweep: sweeps.Sweep, root: Path, seeds: int, only: list, overrides=()) -> dict:
+    jobs = sweeps.expand(sweep, root, seeds, only, overrides)
+    selection = sweeps.invocation_record(only, seeds, overrides)
+    return sweeps.write_sweep_record(sweep, root, jobs, selection)
+
+
+def test_sweep_record_says_what_ran(tmp_path):
+    """--only, --seeds and every --override reach the title and sweep.json; an override of a
+    key the sweep sets replaces it (once in the command line); left-out runs are listed."""
+    sweep = sweeps.load_sweep(REPO / "configs/sweeps/table1_cpu.py")
+    record = record_of(sweep, tmp_path, 1, ["d12", "d12_bov"], ["train.num_steps=4"])
+    assert record == json.loads((tmp_path / "sweep.json").read_text())
+    title = record["title"]
+    assert "120" not in title and "4 steps of 4,096 tokens" in title
+    assert "2 of 14 runs x 1 seed" in title and title.endswith("override train.num_steps=4")
+    assert [r["name"] for r in record["runs"]] == ["d12", "d12_bov"]
+    assert len(record["left_out"]) == 12 and "d12_x0_learn" in record["left_out"]
+    job = record["runs"][1]["jobs"]["0"]
+    assert job["num_steps"] == 4 and job["total_batch_tokens"] == 4096
+    assert job["overrides"] == ["train.num_steps=4", "train.eval_every=20", "seed=0"]
+    assert record["invocations"] == [
+        {"only": ["d12", "d12_bov"], "seeds": 1, "overrides": ["train.num_steps=4"]}
+    ]
+    (bov,) = sweeps.expand(sweep, tmp_path, 1, ["d12_bov"], ["train.num_steps=4"])
+    assert [f for f in bov.command() if "num_steps" in f] == ["--config.train.num_steps=4"]
+    full = record_of(sweep, tmp_path / "full", 1, [])
+    horizon = r"\), 120 steps of 4,096 tokens, \d\.\de13-\d\.\de13 FLOPs; 14 runs x 1 seed$"
+    assert re.search(horizon, full["title"]), full["title"]
+    assert full["left_out"] == []
+
+
 def test_sweep_record_merges_invocations(tmp_path):
     sweep = sweeps.load_sweep(REPO / "configs/sweeps/table1_cpu.py")
-    sweeps.write_sweep_record(sweep, tmp_path, sweeps.expand(sweep, tmp_path, 1, ["d12"]))
-    sweeps.write_sweep_record(sweep, tmp_path, sweeps.expand(sweep, tmp_path, 2, ["d12_bov"]))
-    record = json.loads((tmp_path / "sweep.json").read_text())
+    record_of(sweep, tmp_path, 1, ["d12"])
+    record_of(sweep, tmp_path, 1, ["d12"])  # the same invocation again: recorded once
+    record = record_of(sweep, tmp_path, 2, ["d12_bov"], ["train.num_steps=6"])
     assert record["baseline"] == "d12" and record["seeds"] == [0, 1]
     runs = {r["name"]: r for r in record["runs"]}
-    assert len(runs) == 14 and runs["d12"]["paper"]["val_bpb"] == 0.854
+    assert list(runs) == ["d12", "d12_bov"] and runs["d12"]["paper"]["val_bpb"] == 0.854
     assert runs["d12"]["workdirs"] == {"0": "d12/seed0"}
     assert runs["d12_bov"]["workdirs"] == {"0": "d12_bov/seed0", "1": "d12_bov/seed1"}
+    assert [i["only"] for i in record["invocations"]] == [["d12"], ["d12_bov"]]
+    assert "6-120 steps" in record["title"] and "2 of 14 runs x 1-2 seeds" in record["title"]
+    assert record["title"].endswith("override train.num_steps=6")
 
 
 def test_local_launcher_skips_finished_runs(tmp_path):

@@ -1,8 +1,9 @@
 """`python -m bov_jax.report --root=DIR [--out=DIR]` or `--workdir=RUN [--out=DIR]`.
 
-Writes report.md and figures/*.png for a sweep root (tables in the paper's layout over seeds,
-paired differences to the baseline, val BPB curves, learned coefficients, the cache-memory
-figure) or for one run (curves and coefficients). See bov_jax/report/markdown.py.
+Writes report.md and figures/*.png for a sweep root (what ran, tables in the paper's layout
+over seeds, paired differences to the baseline and their figure, val BPB curves, learned
+coefficients, the cache-memory figure) or for one run (curves and coefficients; its final BPB
+from evals/bpb_step<N>.json where the run has one). See bov_jax/report/markdown.py.
 """
 
 from __future__ import annotations

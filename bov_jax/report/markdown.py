@@ -58,16 +58,21 @@ def shown_root(root: Path) -> str:
     return (Path(os.path.relpath(root)) if root.is_absolute() else root).as_posix()
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def run_count(sweep: Sweep) -> str:
     """'15 workdirs (5 runs x seeds [0, 1, 2])', or 'k of n' when some are missing."""
     present = sum(len(r.seeds) for r in sweep.runs)
     planned = present + sum(len(r.missing_seeds) for r in sweep.runs)
     seed_sets = {tuple(sorted([*r.seeds, *r.missing_seeds])) for r in sweep.runs}
+    runs = plural(len(sweep.runs), "run")
     if len(seed_sets) == 1:
-        shape = f"{len(sweep.runs)} run(s) x seeds {list(seed_sets.pop())}"
+        shape = f"{runs} x seeds {list(seed_sets.pop())}"
     else:
-        shape = f"{len(sweep.runs)} runs, seeds {sorted({s for t in seed_sets for s in t})}"
-    count = f"{present} workdirs" if present == planned else f"{present} of {planned} workdirs"
+        shape = f"{runs}, seeds {sorted({s for t in seed_sets for s in t})}"
+    count = plural(planned, "workdir") if present == planned else f"{present} of {planned} workdirs"
     return f"{count} ({shape})"
 
 

@@ -74,7 +74,7 @@ class Job:
     run: Run
     seed: int
     workdir: Path
-    overrides: tuple[str, ...]  # 'key=value', the sweep's then the run's then the CLI's
+    overrides: tuple[str, ...]  # 'key=value' once a key: the sweep's, the run's, the CLI's
     num_steps: int
     total_batch_tokens: int
     flops_per_token: int
@@ -138,6 +138,15 @@ def as_override(key: str, value: Any) -> str:
     return f"{key}={text}"
 
 
+def merge_overrides(items: Sequence[str]) -> tuple[str, ...]:
+    """'key=value' items with each key once: the last value given, at the key's first place
+    (a --override of a key the sweep sets replaces it, in the command line and the record)."""
+    merged: dict[str, str] = {}
+    for item in items:
+        merged[item.partition("=")[0]] = item
+    return tuple(merged.values())
+
+
 def expand(
     sweep: Sweep,
     root: Path,
@@ -156,7 +165,7 @@ def expand(
     for run in select_runs(sweep, only):
         base = [as_override(k, v) for k, v in {**sweep.overrides, **run.overrides}.items()]
         for seed in range(seeds):
-            overrides = (*base, *extra_overrides, f"seed={seed}")
+            overrides = merge_overrides([*base, *extra_overrides, f"seed={seed}"])
             config = load_config(in_repo(run.config))
             for item in overrides:
                 apply_override(config, item)
