@@ -24,7 +24,7 @@ import json
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +203,7 @@ def job_record(job: Job) -> dict[str, Any]:
     }
 
 
-def span(values: Sequence[Any], fmt) -> str:
+def span(values: Sequence[Any], fmt: Callable[[Any], str]) -> str:
     """fmt of the one value, or 'fmt(min)-fmt(max)' when they differ once formatted."""
     low, high = fmt(min(values)), fmt(max(values))
     return low if low == high else f"{low}-{high}"
