@@ -234,12 +234,17 @@ def main(argv: list[str]) -> None:
     print(json.dumps(summary, indent=2))
 
 
-if __name__ == "__main__":
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
     from absl import flags
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
     flags.DEFINE_bool("xla", False, "Also compile the model and print XLA's FLOPs count.")
+
+
+if __name__ == "__main__":
     from bov_jax import cli
 
+    define_flags()
     cli.run(main)

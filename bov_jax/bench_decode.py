@@ -14,13 +14,12 @@ the best time. Cache bytes are `bov_jax.memory.kv_cache_bytes` at the cache's le
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from bov_jax import cli
 from bov_jax.memory import kv_cache_bytes
@@ -32,7 +31,7 @@ from bov_jax.presets import config_for
 MIB = 2**20
 
 
-def bench_spec(preset: str, args: argparse.Namespace) -> ModelSpec:
+def bench_spec(preset: str, args: flags.FlagValues) -> ModelSpec:
     """A preset's spec at the benchmark's sizes."""
     config = config_for(preset)
     config.model.update(
@@ -75,7 +74,7 @@ def synthetic_batch(
     return Prefilled(cache, tokens, logits, jnp.full((batch,), context, jnp.int32))
 
 
-def decode_rate(engine: Engine, context: int, args: argparse.Namespace) -> tuple[float, int]:
+def decode_rate(engine: Engine, context: int, args: flags.FlagValues) -> tuple[float, int]:
     """(tokens/s, cache bytes) of the engine's decode loop after `context` tokens."""
     max_len = -(-(context + args.new_tokens) // SLOT_MULTIPLE) * SLOT_MULTIPLE
     best = float("inf")
@@ -94,7 +93,7 @@ def decode_rate(engine: Engine, context: int, args: argparse.Namespace) -> tuple
     return args.batch * args.new_tokens / best, size
 
 
-def run(args: argparse.Namespace) -> str:
+def run(args: flags.FlagValues) -> str:
     """The side-by-side table, one row per context length."""
     variants = {
         "baseline": (args.baseline, True),
@@ -113,7 +112,7 @@ def run(args: argparse.Namespace) -> str:
         + " "
         + " ".join(f"{name + ' MiB':>20}" for name in variants),
     ]
-    for context in args.contexts:
+    for context in map(int, args.contexts):
         rates, sizes = zip(*(decode_rate(e, context, args) for e in engines.values()))
         lines.append(
             f"{context:>8} "
@@ -124,32 +123,31 @@ def run(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bov_jax.bench_decode", description=__doc__)
-    parser.add_argument("--baseline", default="d12", help="baseline preset")
-    parser.add_argument("--bov", default="d12_bov", help="BoV preset")
-    parser.add_argument("--depth", type=int, default=6, help="layers")
-    parser.add_argument("--model_dim", type=int, default=256, help="model width")
-    parser.add_argument("--head_dim", type=int, default=64, help="attention head width")
-    parser.add_argument("--vocab_size", type=int, default=8192, help="vocabulary size")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype"
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    flags.DEFINE_string("baseline", "d12", "Baseline preset.")
+    flags.DEFINE_string("bov", "d12_bov", "BoV preset.")
+    flags.DEFINE_integer("depth", 6, "Layers.")
+    flags.DEFINE_integer("model_dim", 256, "Model width.")
+    flags.DEFINE_integer("head_dim", 64, "Attention head width.")
+    flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size.")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+    flags.DEFINE_integer("batch", 4, "Sequences decoded together.")
+    flags.DEFINE_list("contexts", ["256", "1024", "4096"], "Context lengths, comma-separated.")
+    flags.register_validator(
+        "contexts",
+        lambda values: all(value.isdigit() and int(value) > 0 for value in values),
+        "expected positive integers, comma-separated",
     )
-    parser.add_argument("--batch", type=int, default=4, help="sequences decoded together")
-    parser.add_argument(
-        "--contexts",
-        type=lambda s: [int(c) for c in s.split(",")],
-        default=[256, 1024, 4096],
-        help="context lengths, comma-separated",
-    )
-    parser.add_argument("--new_tokens", type=int, default=32, help="tokens decoded per sequence")
-    parser.add_argument("--repeats", type=int, default=2, help="timed repetitions")
-    return parser.parse_args(argv)
+    flags.DEFINE_integer("new_tokens", 32, "Tokens decoded per sequence.")
+    flags.DEFINE_integer("repeats", 2, "Timed repetitions.")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    print(run(parse(argv)))
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (cli.run checks)
+    print(run(flags.FLAGS))
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_flags()
+    cli.run(main)

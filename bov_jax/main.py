@@ -20,34 +20,42 @@ from __future__ import annotations
 import logging
 
 import jax
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from bov_jax import cli
 from bov_jax.config import check_config_arguments, describe_keys
+from bov_jax.errors import UserError
 from bov_jax.train import xla_flags
 
-config_flags.DEFINE_config_file(
-    "config",
-    None,
-    "Experiment config file, optionally with a preset: configs/quickstart.py or "
-    "configs/ablations.py:<preset>. Override keys with --config.<key>=<value>; "
-    "--show_config lists them.",
-    lock_config=True,
-)
-flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints.")
-flags.DEFINE_bool(
-    "show_config", False, "Print every config key with its default and meaning, then exit."
-)
-flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
-flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process).")
-flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
-flags.DEFINE_list(
-    "local_device_ids", None, "Devices of this process, e.g. 0,1,2,3 (one process per GPU node)."
-)
-flags.DEFINE_integer("local_device_count", None, "CPU only: devices per process.")
-flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for all processes.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags (defined on use: other entry points also have a --workdir)."""
+    config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "Experiment config file, optionally with a preset: configs/quickstart.py or "
+        "configs/ablations.py:<preset>. Override keys with --config.<key>=<value>; "
+        "--show_config lists them.",
+        lock_config=True,
+    )
+    flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints.")
+    flags.DEFINE_bool(
+        "show_config", False, "Print every config key with its default and meaning, then exit."
+    )
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
+    flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process).")
+    flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
+    flags.DEFINE_list(
+        "local_device_ids",
+        None,
+        "Devices of this process, e.g. 0,1,2,3 (one process per GPU node).",
+    )
+    flags.DEFINE_integer("local_device_count", None, "CPU only: devices per process.")
+    flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for all processes.")
+
 
 log = logging.getLogger("bov_jax")
 
@@ -103,14 +111,12 @@ def show_config() -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.show_config:
         show_config()
         return
     for name in ("config", "workdir"):
         if not FLAGS[name].present:
-            raise app.UsageError(f"--{name} is required (--help explains the flags)")
+            raise UserError(f"--{name} is required (--help explains the flags)")
     xla_flags.set_gpu_flags()  # before the backend starts
     initialize_distributed()
     configure_logging()
@@ -120,4 +126,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, check_argv=check_config_arguments)

@@ -335,7 +335,8 @@ def main(argv: Sequence[str]) -> None:
     )
 
 
-if __name__ == "__main__":
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
     from absl import flags
     from ml_collections import config_flags
 
@@ -345,7 +346,11 @@ if __name__ == "__main__":
     flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "K/V and bank dtype.")
     flags.DEFINE_bool("write_docs", False, f"Write the tables to {DOCS_PATH}.")
     flags.DEFINE_alias("write-docs", "write_docs")
+
+
+if __name__ == "__main__":
     from bov_jax import cli
     from bov_jax.config import check_config_arguments
 
+    define_flags()
     cli.run(main, check_argv=check_config_arguments)

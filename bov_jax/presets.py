@@ -204,7 +204,8 @@ def config_for(name: str) -> ml_collections.ConfigDict:
     return config
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (cli.run checks)
     width = max(map(len, PRESETS))
     print(f"{'preset':{width}}  {'paper row':52}  {'budget':15}  reference --model-type")
     for name, p in PRESETS.items():
@@ -217,4 +218,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    cli.run(main)

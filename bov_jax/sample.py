@@ -31,8 +31,6 @@ def main(argv: list[str]) -> None:
     from bov_jax.evals.loading import load_model_and_tokenizer
     from bov_jax.model.sampling import sample_text
 
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     f = flags.FLAGS
     if not f.workdir or f.prompt is None:
         raise UserError("--workdir=RUN and --prompt=TEXT are required")

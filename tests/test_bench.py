@@ -3,7 +3,6 @@
 import json
 
 import pytest
-from absl import flags
 
 from bov_jax.bench import __main__ as bench
 
@@ -36,23 +35,18 @@ FIELDS = (
 )
 
 
-def test_bench_train_reports_every_field_for_both_configs(tmp_path, capsys):
+def test_bench_train_reports_every_field_for_both_configs(tmp_path, capsys, command_flags):
     config = tmp_path / "tiny.py"
     config.write_text(TINY_CONFIG)
     out = tmp_path / "bench.json"
-    argv = [
-        "bench",
+    command_flags(
+        bench.define_flags,
         f"--configs={config}:d12,{config}",
         "--steps=1",
         "--reps=2",
         f"--json_out={out}",
-    ]
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(argv)
-    try:
-        bench.main(["bench", "train"])
-    finally:
-        flags.FLAGS.unparse_flags()
+    )
+    bench.main(["bench", "train"])
     results = json.loads(out.read_text())
     assert [r["config"] for r in results] == [f"{config}:d12", str(config)]
     for r in results:

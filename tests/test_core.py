@@ -253,14 +253,17 @@ def test_evaluate_core_task_subset_and_truncation():
         core.evaluate_core(BUNDLE, TOK, bigram_logits, tasks=["nope"])
 
 
-def test_cli_main(monkeypatch, capsys, caplog, tmp_path):
+def test_cli_main(monkeypatch, capsys, caplog, tmp_path, command_flags):
     loading = types.ModuleType("bov_jax.evals.loading")
     loading.load_logits_fn = lambda workdir, step: (7, TOK, bigram_logits)
     monkeypatch.setitem(sys.modules, "bov_jax.evals.loading", loading)
     out = tmp_path / "core.json"
     run = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="bov_jax.evals.core"):
-        core.main(["--workdir", str(run), "--bundle-dir", str(BUNDLE), "--output", str(out)])
+        command_flags(
+            core.define_flags, f"--workdir={run}", f"--bundle-dir={BUNDLE}", f"--output={out}"
+        )
+        core.main(["core"])
     assert "CORE 0.3444" in capsys.readouterr().out
     assert '"core_metric"' in out.read_text()
     saved = json.loads((run / "evals" / "core_step7.json").read_text())
@@ -270,7 +273,8 @@ def test_cli_main(monkeypatch, capsys, caplog, tmp_path):
     assert "CORE examples: 12/12 (100%)" in caplog.text and "ETA" in caplog.text
     assert "copa (0-shot" in caplog.text  # per-task lines reach the package logger
     with pytest.raises(SystemExit, match="no CORE bundle"):
-        core.main(["--workdir", "unused", "--bundle-dir", str(tmp_path / "none")])
+        command_flags(core.define_flags, "--workdir=unused", f"--bundle-dir={tmp_path / 'none'}")
+        core.main(["core"])
 
 
 def test_evaluate_into_workdir_skips_without_a_bundle(tmp_path, caplog):

@@ -26,8 +26,6 @@ def define_flags() -> None:
 def main(argv: list[str]) -> None:
     from bov_jax.analysis.values import analyze_values
 
-    if argv[1:] != ["values"]:
-        raise UserError(f"expected one analysis, one of {ANALYSES}; got {argv[1:]}")
     f = flags.FLAGS
     if not f.workdir:
         raise UserError("--workdir=RUN is required")
@@ -39,4 +37,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main)
+    cli.run(main, commands=ANALYSES)

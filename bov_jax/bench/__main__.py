@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from bov_jax import cli, sharding
@@ -51,25 +51,35 @@ from bov_jax.train.metrics import peak_flops_per_device
 from bov_jax.train.state import create_train_state
 from bov_jax.train.step import loss_fn, make_train_step
 
-flags.DEFINE_list("configs", ["configs/d12.py", "configs/d12_bov.py"], "Config files to compare.")
-flags.DEFINE_integer("device_batch_size", 0, "Rows per device per micro-batch (0: the config's).")
-flags.DEFINE_integer("seq_len", 0, "Sequence length (0: the config's).")
-flags.DEFINE_integer("depth", 0, "Override model depth (0: the config's).")
-flags.DEFINE_integer("model_dim", -1, "Override model width (-1: the config's).")
-flags.DEFINE_integer("vocab_size", 0, "Override vocab (0: the config's).")
-flags.DEFINE_integer(
-    "micro_batches", 0, "Micro-batches per step (0: what the config's total batch needs)."
-)
-flags.DEFINE_integer("max_micro_batches", 16, "Cap on the default number of micro-batches.")
-flags.DEFINE_integer("steps", 5, "Timed train steps per repetition (after the compile step).")
-flags.DEFINE_integer("reps", 3, "Interleaved repetitions over the configs.")
-flags.DEFINE_enum("tokens", "corpus", ["corpus", "random"], "Embedded-corpus ids or random ids.")
-flags.DEFINE_string("dtype", "", "Compute dtype override (bfloat16 on accelerators).")
-flags.DEFINE_string("attention", "", "Attention implementation override (xla | cudnn).")
-flags.DEFINE_string("json_out", "", "Also write the results to this JSON file.")
-flags.DEFINE_string("profile", "", "Write a jax.profiler trace of a few steps under this dir.")
-flags.DEFINE_float("seconds", 5.0, "data: seconds of pipeline reading per measurement.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    flags.DEFINE_list(
+        "configs", ["configs/d12.py", "configs/d12_bov.py"], "Config files to compare."
+    )
+    flags.DEFINE_integer(
+        "device_batch_size", 0, "Rows per device per micro-batch (0: the config's)."
+    )
+    flags.DEFINE_integer("seq_len", 0, "Sequence length (0: the config's).")
+    flags.DEFINE_integer("depth", 0, "Override model depth (0: the config's).")
+    flags.DEFINE_integer("model_dim", -1, "Override model width (-1: the config's).")
+    flags.DEFINE_integer("vocab_size", 0, "Override vocab (0: the config's).")
+    flags.DEFINE_integer(
+        "micro_batches", 0, "Micro-batches per step (0: what the config's total batch needs)."
+    )
+    flags.DEFINE_integer("max_micro_batches", 16, "Cap on the default number of micro-batches.")
+    flags.DEFINE_integer("steps", 5, "Timed train steps per repetition (after the compile step).")
+    flags.DEFINE_integer("reps", 3, "Interleaved repetitions over the configs.")
+    flags.DEFINE_enum(
+        "tokens", "corpus", ["corpus", "random"], "Embedded-corpus ids or random ids."
+    )
+    flags.DEFINE_string("dtype", "", "Compute dtype override (bfloat16 on accelerators).")
+    flags.DEFINE_string("attention", "", "Attention implementation override (xla | cudnn).")
+    flags.DEFINE_string("json_out", "", "Also write the results to this JSON file.")
+    flags.DEFINE_string("profile", "", "Write a jax.profiler trace of a few steps under this dir.")
+    flags.DEFINE_float("seconds", 5.0, "data: seconds of pipeline reading per measurement.")
 
 
 def load_config(path: str) -> Any:
@@ -291,8 +301,6 @@ def bench_data(path: str) -> None:
 
 def main(argv: list[str]) -> None:
     xla_flags.set_gpu_flags()  # before the backend starts
-    if len(argv) < 2 or argv[1] not in ("train", "data"):
-        raise app.UsageError("usage: python -m bov_jax.bench {train,data} --configs=a.py,b.py")
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}", flush=True)
     if argv[1] == "data":
         bench_data(FLAGS.configs[0])
@@ -324,4 +332,5 @@ def percent(value: float | None) -> str:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    define_flags()
+    cli.run(main, commands=("train", "data"))

@@ -16,7 +16,7 @@ from functools import partial
 
 from bov_jax import cli
 from bov_jax.corpora import registry
-from bov_jax.corpora.corpus_build import Source, corpus_main
+from bov_jax.corpora.corpus_build import Source, corpus_main, define_corpus_flags
 from bov_jax.corpora.sources import austen, dictd, files, fortunes, html_text, sotu, sword
 
 _DOC = "usr/share/doc/*"
@@ -199,12 +199,12 @@ SOURCES = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (cli.run checks)
+    cli.log_plainly()
     corpus_main(
-        __doc__,
         SOURCES,
         "debmix",
-        None,
         seed=42,
         shard_bytes=25_000_000,
         val_fraction=0.11,
@@ -213,4 +213,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_corpus_flags("debmix", None)
+    cli.run(main)

@@ -13,7 +13,7 @@ from functools import partial
 
 from bov_jax import cli
 from bov_jax.corpora import registry
-from bov_jax.corpora.corpus_build import Source, corpus_main
+from bov_jax.corpora.corpus_build import Source, corpus_main, define_corpus_flags
 from bov_jax.corpora.sources import austen, sotu, sword
 from bov_jax.data.config import EMBEDDED_DIR
 
@@ -58,12 +58,12 @@ SOURCES = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (cli.run checks)
+    cli.log_plainly()
     corpus_main(
-        __doc__,
         SOURCES,
         "embedded",
-        EMBEDDED_DIR,
         seed=42,
         shard_bytes=3_500_000,
         val_fraction=0.1,
@@ -72,4 +72,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_corpus_flags("embedded", EMBEDDED_DIR)
+    cli.run(main)

@@ -9,7 +9,6 @@ the server's X-Linked-Etag when it sends one, and a readable parquet footer with
 column) before it is renamed into place. Files already in place are verified, not fetched again.
 """
 
-import argparse
 import http.client
 import logging
 import os
@@ -145,24 +144,29 @@ def download(
         return list(pool.map(one, indices))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    from absl import flags
+
+    flags.DEFINE_integer(
+        "num_shards", None, "Train shards (the reference: 8, then 170).", required=True
     )
-    parser.add_argument(
-        "--num_shards",
-        "--num-shards",
-        type=int,
-        required=True,
-        help="train shards (the reference: 8, then 170)",
-    )
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--base_url", "--base-url", default=BASE_URL)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    download(plan(args.num_shards), args.out, base_url=args.base_url, workers=args.workers)
+    flags.DEFINE_string("out", None, "Directory of the shards.", required=True)
+    flags.DEFINE_integer("workers", 8, "Parallel downloads.")
+    flags.DEFINE_string("base_url", BASE_URL, "Where the shards are served.")
+    for name in ("num_shards", "base_url"):
+        flags.DEFINE_alias(name.replace("_", "-"), name)
+
+
+def main(argv: list[str]) -> None:
+    from absl import flags
+
+    del argv  # no positional arguments (cli.run checks)
+    args = flags.FLAGS
+    cli.log_plainly()
+    download(plan(args.num_shards), Path(args.out), base_url=args.base_url, workers=args.workers)
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_flags()
+    cli.run(main)

@@ -4,7 +4,6 @@ Used by `build_embedded` and `build_debmix`. Each step is resumable: downloads, 
 and each source's extracted documents are kept in a work directory and reused on a rerun.
 """
 
-import argparse
 import json
 import logging
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from absl import flags
 
 from bov_jax.corpora import registry
 from bov_jax.corpora.sources.text import split_document
@@ -183,22 +183,22 @@ def build_corpus(
     return manifest
 
 
-def corpus_main(
-    doc: str, sources: list[Source], corpus_name: str, default_out: Path | None, **build_kwargs
-) -> None:
-    """The command line of a corpus builder: --out, --work-dir, then `build_corpus`."""
-    parser = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, required=default_out is None, default=default_out)
+def define_corpus_flags(corpus_name: str, default_out: Path | None) -> None:
+    """A corpus builder's flags, defined when it runs: --out (required without a default),
+    --work_dir (also --work-dir)."""
+    out = None if default_out is None else str(default_out)
+    flags.DEFINE_string("out", out, "Shard directory to write.", required=default_out is None)
     cache = Path.home() / ".cache" / "bov_jax" / corpus_name
-    parser.add_argument("--work_dir", "--work-dir", type=Path, default=cache)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    flags.DEFINE_string("work_dir", str(cache), "Downloads and extracted documents, kept.")
+    flags.DEFINE_alias("work-dir", "work_dir")
+
+
+def corpus_main(sources: list[Source], corpus_name: str, **build_kwargs) -> None:
+    """The command line of a corpus builder: `build_corpus` into --out, keeping --work_dir."""
     build_corpus(
         sources,
-        args.out,
-        args.work_dir,
+        Path(flags.FLAGS.out),
+        Path(flags.FLAGS.work_dir),
         corpus_name=corpus_name,
         command=f"python -m bov_jax.corpora.build_{corpus_name}",
         **build_kwargs,

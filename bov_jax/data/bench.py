@@ -6,11 +6,11 @@ Prints tokens/s for the configured data (default: the embedded corpus, token cac
 and without worker processes, and for on-the-fly sentencepiece encoding (`use_cache=False`).
 """
 
-import argparse
 import copy
 import time
 
 import ml_collections
+from absl import flags
 
 from bov_jax import cli
 from bov_jax.data.config import default_data_config
@@ -45,16 +45,20 @@ def measure_pipeline(
         iterator.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--data_dir", "--data-dir", help="default: the embedded corpus")
-    parser.add_argument("--seq_len", "--seq-len", type=int, default=512, help="tokens per row")
-    parser.add_argument("--batch_size", "--batch-size", type=int, default=32, help="rows per batch")
-    parser.add_argument("--seconds", type=float, default=10.0, help="reading time per measurement")
-    parser.add_argument("--workers", type=int, default=2, help="grain worker processes")
-    args = parser.parse_args()
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    flags.DEFINE_string("data_dir", None, "Shard directory (default: the embedded corpus).")
+    flags.DEFINE_integer("seq_len", 512, "Tokens per row.")
+    flags.DEFINE_integer("batch_size", 32, "Rows per batch.")
+    flags.DEFINE_float("seconds", 10.0, "Reading time per measurement.")
+    flags.DEFINE_integer("workers", 2, "Grain worker processes.")
+    for name in ("data_dir", "seq_len", "batch_size"):
+        flags.DEFINE_alias(name.replace("_", "-"), name)
+
+
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (cli.run checks)
+    args = flags.FLAGS
     cfg = default_data_config()
     if args.data_dir:
         cfg.data_dir = args.data_dir
@@ -78,4 +82,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_flags()
+    cli.run(main)

@@ -11,7 +11,6 @@ processes that start together (a sweep's jobs, the processes of a host) build it
 takes a file lock beside the cache and the others wait for it.
 """
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -24,6 +23,7 @@ import ml_collections
 import numpy as np
 import pyarrow.parquet as pq
 import tensorflow_datasets as tfds
+from absl import flags
 
 from bov_jax import cli
 from bov_jax.data import shards
@@ -175,35 +175,31 @@ class CachedUnitReader:
         return finish_documents(docs, len(records) - len(docs), self._bos_id, self._max_doc_tokens)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    flags.DEFINE_string("data_dir", None, "Shard directory.", required=True)
+    flags.DEFINE_string("tokenizer_dir", None, "Default: DATA_DIR/tokenizer.")
+    flags.DEFINE_string("cache_dir", None, "Default: DATA_DIR/token_cache.")
+    flags.DEFINE_bool(
+        "skip_bad_documents", False, "Skip and count non-UTF-8 documents instead of stopping."
     )
-    parser.add_argument(
-        "--data_dir", "--data-dir", type=Path, required=True, help="shard directory"
-    )
-    parser.add_argument(
-        "--tokenizer_dir", "--tokenizer-dir", type=Path, help="default: DATA_DIR/tokenizer"
-    )
-    parser.add_argument(
-        "--cache_dir", "--cache-dir", type=Path, help="default: DATA_DIR/token_cache"
-    )
-    parser.add_argument(
-        "--skip_bad_documents",
-        "--skip-bad-documents",
-        action="store_true",
-        help="skip and count non-UTF-8 documents instead of stopping",
-    )
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in ("data_dir", "tokenizer_dir", "cache_dir", "skip_bad_documents"):
+        flags.DEFINE_alias(name.replace("_", "-"), name)
+
+
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (cli.run checks)
+    args = flags.FLAGS
+    cli.log_plainly()
     data_cfg = default_data_config()
-    data_cfg.data_dir = str(args.data_dir.resolve())
-    data_cfg.tokenizer_dir = str(args.tokenizer_dir or "")
-    data_cfg.cache_dir = str(args.cache_dir or "")
+    data_cfg.data_dir = str(Path(args.data_dir).resolve())
+    data_cfg.tokenizer_dir = args.tokenizer_dir or ""
+    data_cfg.cache_dir = args.cache_dir or ""
     data_cfg.skip_bad_documents = args.skip_bad_documents
     tokenizer = load_tokenizer(tokenizer_path(data_cfg), num_threads=data_cfg.encode_threads)
     print(ensure_cache(data_cfg, tokenizer))
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_flags()
+    cli.run(main)

@@ -12,7 +12,6 @@ so decode(encode(text)) == text for any text without the U+2581 character, and t
 sums to the UTF-8 length of the decoded text.
 """
 
-import argparse
 import hashlib
 import json
 import logging
@@ -228,35 +227,35 @@ def train_tokenizer(
     return out_dir / MODEL_FILE
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a BPE tokenizer on a corpus's train shards")
-    train.add_argument("--data_dir", "--data-dir", type=Path, required=True, help="shard directory")
-    train.add_argument(
-        "--vocab_size", "--vocab-size", type=int, required=True, help="vocabulary size"
-    )
-    train.add_argument("--out", type=Path, help="output directory (default: DATA_DIR/tokenizer)")
-    train.add_argument(
-        "--input_sentence_size",
-        "--input-sentence-size",
-        type=int,
-        default=300_000,
-        help="sentences sampled for training",
-    )
-    train.add_argument("--threads", type=int, default=2, help="training threads")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    from absl import flags
+
+    flags.DEFINE_string("data_dir", None, "train: shard directory.", required=True)
+    flags.DEFINE_integer("vocab_size", None, "train: vocabulary size.", required=True)
+    flags.DEFINE_string("out", None, "train: output directory (default: DATA_DIR/tokenizer).")
+    flags.DEFINE_integer("input_sentence_size", 300_000, "train: sentences sampled for training.")
+    flags.DEFINE_integer("threads", 2, "train: training threads.")
+    for name in ("data_dir", "vocab_size", "input_sentence_size"):
+        flags.DEFINE_alias(name.replace("_", "-"), name)
+
+
+def main(argv: list[str]) -> None:
+    """`train` (the one command, checked by cli.run): a BPE tokenizer on a corpus's shards."""
+    from absl import flags
+
+    del argv
+    args = flags.FLAGS
+    cli.log_plainly()
     train_tokenizer(
-        args.data_dir,
+        Path(args.data_dir),
         args.vocab_size,
-        args.out or args.data_dir / "tokenizer",
+        Path(args.out or Path(args.data_dir) / "tokenizer"),
         input_sentence_size=args.input_sentence_size,
         num_threads=args.threads,
     )
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_flags()
+    cli.run(main, commands=("train",))

@@ -126,29 +126,33 @@ def evaluate_workdir(
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "Training workdir with a checkpoint.", required=True)
+    flags.DEFINE_integer(
+        "eval_tokens",
+        80 * 2**19,
+        "Val tokens to score (41.9M, the paper's); capped at one pass of the split.",
+    )
+    flags.DEFINE_integer("batch_rows", 8, "Rows per forward pass.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+
+
+def main(argv: list[str]) -> None:
+    """Val bits per byte of a workdir's checkpoint, written to WORKDIR/evals/bpb_step<N>.json."""
     import json
 
-    parser = argparse.ArgumentParser(
-        prog="python -m bov_jax.evals.bpb",
-        description="Val bits per byte of a workdir's checkpoint, written to "
-        "WORKDIR/evals/bpb_step<N>.json.",
-    )
-    parser.add_argument("--workdir", required=True, help="training workdir with a checkpoint")
-    parser.add_argument(
-        "--eval_tokens",
-        type=int,
-        default=80 * 2**19,
-        help="val tokens to score (default 41.9M, the paper's); capped at one pass of the split",
-    )
-    parser.add_argument("--batch_rows", type=int, default=8, help="rows per forward pass")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # quiet orbax / absl
+    from absl import flags
+
+    del argv  # no positional arguments (cli.run checks)
+    args = flags.FLAGS
+    cli.log_plainly(logging.WARNING)  # quiet orbax / absl
     logging.getLogger("bov_jax").setLevel(logging.INFO)
     print(json.dumps(evaluate_workdir(args.workdir, args.eval_tokens, args.batch_rows, args.step)))
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_flags()
+    cli.run(main)

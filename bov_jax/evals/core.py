@@ -24,7 +24,6 @@ Results belong to the run: `python -m bov_jax.evals.core --workdir=RUN` (and the
 `train.core_at_end`) writes them to RUN/evals/core_step<N>.json, N the checkpoint's step.
 """
 
-import argparse
 import json
 import logging
 import math
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from absl import flags
 
 from bov_jax import cli
 from bov_jax.evals.paper_core import format_paper_comparison
@@ -383,33 +383,29 @@ def format_core_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def define_flags() -> None:
+    """The command's flags (defined only when run, so that importing this module defines none)."""
+    flags.DEFINE_string("workdir", None, "Training workdir with the checkpoint.", required=True)
+    flags.DEFINE_string("bundle_dir", str(DEFAULT_BUNDLE_DIR), "Eval bundle.")
+    flags.DEFINE_integer("max_per_task", -1, "Examples per task (-1: all).")
+    flags.DEFINE_list("tasks", [], "Task labels, comma-separated (default: all).")
+    flags.DEFINE_integer(
+        "pad_multiple",
+        DEFAULT_PAD_MULTIPLE,
+        "Pad sequence lengths to a multiple of this (fewer compilations).",
+    )
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_string("output", "", "Also write the results as JSON here.")
+    for name in ("bundle_dir", "max_per_task", "pad_multiple"):
+        flags.DEFINE_alias(name.replace("_", "-"), name)
+
+
+def main(argv: list[str]) -> None:
     """CLI: evaluate a checkpoint on every available CORE task, print the table and write it
     to WORKDIR/evals/core_step<N>.json."""
-    parser = argparse.ArgumentParser(prog="python -m bov_jax.evals.core", description=__doc__)
-    parser.add_argument("--workdir", required=True, help="training workdir with the checkpoint")
-    parser.add_argument(
-        "--bundle_dir", "--bundle-dir", default=str(DEFAULT_BUNDLE_DIR), help="eval bundle"
-    )
-    parser.add_argument(
-        "--max_per_task",
-        "--max-per-task",
-        type=int,
-        default=-1,
-        help="examples per task (-1: all)",
-    )
-    parser.add_argument("--tasks", default="", help="comma-separated task labels (default: all)")
-    parser.add_argument(
-        "--pad_multiple",
-        "--pad-multiple",
-        type=int,
-        default=DEFAULT_PAD_MULTIPLE,
-        help="pad sequence lengths to a multiple of this (fewer compilations)",
-    )
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    parser.add_argument("--output", default="", help="also write the results as JSON here")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # quiet orbax / absl
+    del argv  # no positional arguments (cli.run checks)
+    args = flags.FLAGS
+    cli.log_plainly(logging.WARNING)  # quiet orbax / absl
     logging.getLogger("bov_jax").setLevel(logging.INFO)
     if not bundle_present(args.bundle_dir):
         sys.exit(
@@ -419,9 +415,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from bov_jax.evals.loading import load_logits_fn
 
     step, tokenizer, logits_fn = load_logits_fn(args.workdir, args.step)
-    tasks = [t for t in args.tasks.split(",") if t] or None
     results = evaluate_core(
-        args.bundle_dir, tokenizer, logits_fn, args.max_per_task, tasks, args.pad_multiple
+        args.bundle_dir,
+        tokenizer,
+        logits_fn,
+        args.max_per_task,
+        args.tasks or None,
+        args.pad_multiple,
     )
     print(format_core_table(results))
     if results["num_tasks"]:
@@ -432,4 +432,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli.run_argparse(main)
+    define_flags()
+    cli.run(main)

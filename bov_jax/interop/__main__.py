@@ -27,22 +27,19 @@ def define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
-    command = argv[1:] or [""]
-    if command[0] == "import" and len(command) == 1:
+    if argv[1] == "import":
         if not (FLAGS.checkpoint_dir and FLAGS.workdir):
             raise UserError("import needs --checkpoint_dir and --workdir")
         step = import_checkpoint(
             FLAGS.checkpoint_dir, FLAGS.workdir, FLAGS.step, FLAGS.tokenizer, FLAGS.data_dir
         )
         print(f"imported step {step} of {FLAGS.checkpoint_dir} into {FLAGS.workdir}")
-    elif command[0] == "export" and len(command) == 1:
+    else:
         if not (FLAGS.workdir and FLAGS.out):
             raise UserError("export needs --workdir and --out")
         print(f"wrote {export_checkpoint(FLAGS.workdir, FLAGS.out, FLAGS.step)}")
-    else:
-        raise UserError(f"expected the command 'import' or 'export', got {argv[1:]}")
 
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main)
+    cli.run(main, commands=("import", "export"))

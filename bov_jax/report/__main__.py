@@ -26,8 +26,6 @@ def main(argv: list[str]) -> None:
     from bov_jax.report.markdown import write_report
     from bov_jax.report.runs import load_sweep, single_run
 
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments {argv[1:]}; use --root=DIR or --workdir=RUN")
     f = flags.FLAGS
     if (f.root is None) == (f.workdir is None):
         raise UserError("give exactly one of --root=DIR (a sweep) or --workdir=RUN (a run)")

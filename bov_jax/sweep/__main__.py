@@ -20,23 +20,25 @@ from bov_jax import cli
 from bov_jax.errors import UserError
 from bov_jax.sweep import jobs as sweeps
 
-flags.DEFINE_string("sweep", None, "Sweep file, e.g. configs/sweeps/table1.py.")
-flags.DEFINE_string("root", None, "Directory of the sweep: DIR/<run>/seed<k>/ per job.")
-flags.DEFINE_integer("seeds", None, "Seeds per run (0..N-1); default: the sweep file's.")
-flags.DEFINE_list("only", [], "Run only these runs (comma-separated run names).")
-flags.DEFINE_multi_string(
-    "override", [], "key=value applied to every run, e.g. train.num_steps=20 (repeatable)."
-)
-flags.DEFINE_enum("launcher", "local", sweeps.LAUNCHERS, "Engine that runs the jobs.")
-flags.DEFINE_bool("dry_run", False, "Print the jobs, their horizons and FLOPs; run nothing.")
-flags.DEFINE_alias("dry-run", "dry_run")
-flags.mark_flags_as_required(["sweep", "root"])
 FLAGS = flags.FLAGS
 
 
+def define_flags() -> None:
+    """The command's flags (defined on use: other entry points also have a --root)."""
+    flags.DEFINE_string("sweep", None, "Sweep file, e.g. configs/sweeps/table1.py.")
+    flags.DEFINE_string("root", None, "Directory of the sweep: DIR/<run>/seed<k>/ per job.")
+    flags.DEFINE_integer("seeds", None, "Seeds per run (0..N-1); default: the sweep file's.")
+    flags.DEFINE_list("only", [], "Run only these runs (comma-separated run names).")
+    flags.DEFINE_multi_string(
+        "override", [], "key=value applied to every run, e.g. train.num_steps=20 (repeatable)."
+    )
+    flags.DEFINE_enum("launcher", "local", sweeps.LAUNCHERS, "Engine that runs the jobs.")
+    flags.DEFINE_bool("dry_run", False, "Print the jobs, their horizons and FLOPs; run nothing.")
+    flags.DEFINE_alias("dry-run", "dry_run")
+    flags.mark_flags_as_required(["sweep", "root"])
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.getLogger("jax").setLevel(logging.WARNING)  # no backend-probing chatter
     sweep = sweeps.load_sweep(FLAGS.sweep)
     root = Path(FLAGS.root).resolve()
@@ -68,4 +70,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)
