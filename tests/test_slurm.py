@@ -303,7 +303,9 @@ def test_sweep_array_runs_both_jobs_and_report_reads_them(cluster, tmp_path):
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
     overrides = [f"--override={flag.removeprefix('--config.')}" for flag in FLAGS]
-    sbatch = [f"--sbatch={option}" for option in (*CPU_JOB, "--ntasks-per-node=1")]
+    # the array's resources: one CPU each, both tasks at once (not the default --exclusive)
+    options = (*CPU_JOB, "--ntasks-per-node=1", "--exclusive=user")
+    sbatch = [f"--sbatch={option}" for option in options]
     generate = subprocess.run(
         [
             sys.executable,
@@ -330,6 +332,7 @@ def test_sweep_array_runs_both_jobs_and_report_reads_them(cluster, tmp_path):
     logs = "\n".join(p.read_text() for p in sorted(root.glob("slurm-*.out")))
     assert len(states) == 2 and all(s["JobState"] == "COMPLETED" for s in states), logs[-4000:]
     assert logs.count(f"under {venv}/bin/python: cpu") == 2
+    assert "#SBATCH --exclusive=user\n" in script.read_text()
     for seed in (0, 1):
         assert [r["step"] for r in metrics(root / "tiny" / f"seed{seed}")] == list(range(STEPS + 1))
     report = subprocess.run(
