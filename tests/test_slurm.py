@@ -110,7 +110,7 @@ class Cluster:
             if line.strip()
         ]
 
-    def wait(self, job_id: str, output: Path, timeout: float = 150) -> list[dict[str, str]]:
+    def wait(self, job_id: str, output: Path, timeout: float = 240) -> list[dict[str, str]]:
         """The job's final states; the test fails (the job cancelled) after `timeout` s."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -213,7 +213,11 @@ def cluster() -> Iterator[Cluster]:
 
         def idle() -> bool:
             done = subprocess.run(
-                ["sinfo", "--noheader", "--format=%T"], env=env, capture_output=True, text=True
+                ["sinfo", "--noheader", "--format=%T"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=10,
             )
             return done.returncode == 0 and done.stdout.strip() == "idle"
 
@@ -255,7 +259,7 @@ def test_sbatch_two_tasks_have_the_losses_of_one_process(two_tasks, tmp_path):
     assert states == [{"JobState": "COMPLETED", "Restarts": "0", "ExitCode": "0:0"}], output
     assert "1 nodes x 2 processes (cpu)" in output and "run complete" in output
     assert "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in output and "2 data streams" in output
-    assert "[process 1/2]" not in output.replace("WARNING", "")  # INFO lines: process 0 only
+    assert "INFO [process 0/2]" in output and "INFO [process 1/2]" not in output
     run_main(tmp_path, TWO_DEVICES, STREAMS, devices=2)  # 1 process x 2 devices
     assert trajectory(workdir) == trajectory(tmp_path)
 
@@ -280,7 +284,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, two_tasks, 
         CONFIG=CONFIG.partition("=")[2],
         PYTHON=str(slow),
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while "STEP 3" not in job_output(output):
         assert time.monotonic() < deadline, job_output(output)[-3000:] + cluster.logs()
         time.sleep(0.2)
@@ -328,7 +332,7 @@ def test_sweep_array_runs_both_jobs_and_report_reads_them(cluster, tmp_path):
     code = [line for line in script.read_text().splitlines() if not line.startswith("# ")]
     assert str(REPO) not in "\n".join(code)  # the checkout: REPO or the submit directory
     job = cluster.submit(str(script), MODE="cpu", VENV=str(venv))
-    states = cluster.wait(job, root / "slurm-*.out", timeout=150)
+    states = cluster.wait(job, root / "slurm-*.out")
     logs = "\n".join(p.read_text() for p in sorted(root.glob("slurm-*.out")))
     assert len(states) == 2 and all(s["JobState"] == "COMPLETED" for s in states), logs[-4000:]
     assert logs.count(f"under {venv}/bin/python: cpu") == 2

@@ -314,8 +314,8 @@ def slurm_script(
     flags = " ".join(shlex.quote(shlex.join(job.main_flags())) for job in jobs)
     return text + (
         "set -euo pipefail\n"
-        'REPO=${REPO:-${SLURM_SUBMIT_DIR:-$PWD}}\n'
-        'if [[ ! -f $REPO/launch/slurm.sbatch ]]; then\n'
+        "REPO=${REPO:-${SLURM_SUBMIT_DIR:-$PWD}}\n"
+        "if [[ ! -f $REPO/launch/slurm.sbatch ]]; then\n"
         '  echo "error: REPO=$REPO is not a bov_jax checkout (no launch/slurm.sbatch): submit"'
         ' "from the repository root or export REPO=<checkout>" >&2\n'
         "  exit 2\n"
