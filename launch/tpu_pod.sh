@@ -115,9 +115,10 @@ run() {
   local flags
   flags=$(printf '%q ' --config="$CONFIG" --workdir="$WORKDIR" "$@")
   # nohup + background: the run outlives the ssh session; the pid file lets `stop` signal it.
-  on_all_workers "cd ~/$REMOTE_DIR && mkdir -p logs &&
+  # (Braces: only the run goes to the background, after the directory exists.)
+  on_all_workers "cd ~/$REMOTE_DIR && mkdir -p logs && {
     nohup python3 -u -m bov_jax.main $flags > logs/main.log 2>&1 < /dev/null &
-    echo \$! > ~/$REMOTE_DIR/logs/main.pid"
+    echo \$! > logs/main.pid; }"
   echo "started on every worker; follow with: $0 logs" >&2
 }
 

@@ -78,8 +78,11 @@ def test_sync_leaves_out_virtual_environments(tmp_path):
     assert (tmp_path / "home" / "bov_jax" / "tools" / "keep.py").read_text() == "untracked"
 
 
-def run_commands(tmp_path: Path, jobs: list[sweeps.Job], **extra: str) -> tuple[int, list[str]]:
-    """Run the generated tpu_commands.sh from the repository root; (status, the jobs' log)."""
+def run_commands(
+    tmp_path: Path, jobs: list[sweeps.Job], **extra: str
+) -> tuple[int, list[str], str]:
+    """Run the generated tpu_commands.sh from the repository root; (status, the jobs' log, its
+    output)."""
     script = tmp_path / "tpu_commands.sh"
     sweep = sweeps.load_sweep(REPO / "configs/sweeps/table3.py")
     sweeps.write_executable(script, sweeps.tpu_commands(sweep, jobs, "test"))
@@ -88,14 +91,15 @@ def run_commands(tmp_path: Path, jobs: list[sweeps.Job], **extra: str) -> tuple[
     done = subprocess.run(
         ["bash", str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
-    return done.returncode, log.read_text().splitlines() if log.exists() else []
+    jobs_log = log.read_text().splitlines() if log.exists() else []
+    return done.returncode, jobs_log, done.stdout + done.stderr
 
 
 def test_tpu_commands_run_the_jobs_one_after_another(tmp_path):
     sweep = sweeps.load_sweep(REPO / "configs/sweeps/table3.py")
     first, second = sweeps.expand(sweep, tmp_path / "root", 1, ["d24", "d24_bov"])
-    status, log = run_commands(tmp_path, [first, second])
-    assert status == 0
+    status, log, output = run_commands(tmp_path, [first, second])
+    assert status == 0, output
     assert log == [
         f"start {first.workdir}",
         f"end {first.workdir}",
@@ -107,6 +111,6 @@ def test_tpu_commands_run_the_jobs_one_after_another(tmp_path):
 def test_tpu_commands_stop_at_a_job_short_of_its_horizon(tmp_path):
     sweep = sweeps.load_sweep(REPO / "configs/sweeps/table3.py")
     first, second = sweeps.expand(sweep, tmp_path / "root", 1, ["d24", "d24_bov"])
-    status, log = run_commands(tmp_path, [first, second], FAIL_WORKDIR=str(first.workdir))
-    assert status == 1
+    status, log, output = run_commands(tmp_path, [first, second], FAIL_WORKDIR=str(first.workdir))
+    assert status == 1 and "error: the run in" in output, output
     assert log == [f"start {first.workdir}", f"end {first.workdir}"]
