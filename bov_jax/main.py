@@ -45,6 +45,13 @@ def define_flags() -> None:
     flags.DEFINE_bool(
         "show_config", False, "Print every config key with its default and meaning, then exit."
     )
+    flags.DEFINE_enum(
+        "check_platform",
+        None,
+        ["cpu", "gpu", "tpu"],
+        "Check that jax runs on this platform, print its devices and exit (2 if not): job "
+        "scripts run it before starting the processes.",
+    )
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
     flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process).")
     flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
@@ -113,6 +120,11 @@ def show_config() -> None:
 def main(argv: list[str]) -> None:
     if FLAGS.show_config:
         show_config()
+        return
+    if FLAGS.check_platform:
+        from bov_jax.train.platform import check_platform
+
+        print(check_platform(FLAGS.check_platform))
         return
     for name in ("config", "workdir"):
         if not FLAGS[name].present:

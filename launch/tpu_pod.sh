@@ -5,10 +5,13 @@
 #   launch/tpu_pod.sh COMMAND [bov_jax.main flags...]
 #
 #   create    create the slice (SPOT=1: a spot slice)
-#   sync      copy this checkout (tracked and untracked, not ignored files) to every worker
+#   sync      copy this checkout (tracked and untracked, not ignored files, no virtual
+#             environments) to every worker
 #   install   pip-install requirements.txt and JAX for TPU on every worker; mount NFS_SHARE
 #   run       start training on every worker in the background (resumes if WORKDIR has
 #             checkpoints); extra flags go to bov_jax.main, e.g. --config.train.num_steps=100
+#   wait      return once the run has ended on every worker: status 0 when WORKDIR/status.json
+#             shows its horizon reached, 1 otherwise (the sweep's tpu_commands.sh uses it)
 #   logs      follow worker 0's log
 #   status    is the process alive on each worker; last log line; WORKDIR/status.json
 #   stop      SIGTERM on every worker: the run checkpoints and exits 0 (`run` resumes it)
@@ -29,6 +32,7 @@
 #   JAX_SPEC          pip requirement for JAX on TPU (default "jax[tpu]>=0.10.0,<0.12")
 #   NFS_SHARE         install: server:/export to mount at SHARED_MOUNT on every worker
 #   SHARED_MOUNT      install: mount point (default /mnt/shared)
+#   POLL              wait: seconds between checks (default 60)
 #
 # jax.distributed finds the other workers by itself on TPU VMs; every worker runs the same
 # command, reads its own data streams and writes its shards of each checkpoint; worker 0 alone
@@ -50,6 +54,7 @@ REMOTE_DIR=${REMOTE_DIR:-bov_jax}
 CONFIG=${CONFIG:-configs/d24_bov.py}
 JAX_SPEC=${JAX_SPEC:-jax[tpu]>=0.10.0,<0.12}
 SHARED_MOUNT=${SHARED_MOUNT:-/mnt/shared}
+POLL=${POLL:-60}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 
 gcloud_tpu() {
@@ -70,11 +75,24 @@ create() {
     --version="$RUNTIME_VERSION" ${spot:+"$spot"}
 }
 
+# The checkout's files (NUL-separated): tracked and untracked, not ignored, and nothing inside
+# a virtual environment (a directory holding pyvenv.cfg), whatever its name.
+code_files() {
+  local files venvs=() f v
+  mapfile -d '' files < <(git -C "$repo" ls-files -z --cached --others --exclude-standard)
+  for f in "${files[@]}"; do
+    [[ $f == */pyvenv.cfg ]] && venvs+=("${f%pyvenv.cfg}")
+  done
+  for f in "${files[@]}"; do
+    for v in ${venvs[@]+"${venvs[@]}"}; do [[ $f == "$v"* ]] && continue 2; done
+    printf '%s\0' "$f"
+  done
+}
+
 sync_code() {
   local tmp
   tmp=$(mktemp -d)
-  (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
-    tar --null --ignore-failed-read -czf "$tmp/code.tgz" -T -)
+  code_files | (cd "$repo" && tar --null --ignore-failed-read -czf "$tmp/code.tgz" -T -)
   gcloud_tpu scp "$tmp/code.tgz" "$TPU_NAME:bov_jax_code.tgz" --worker=all
   rm -rf "$tmp"
   on_all_workers "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/bov_jax_code.tgz -C ~/$REMOTE_DIR"
@@ -97,9 +115,10 @@ run() {
   local flags
   flags=$(printf '%q ' --config="$CONFIG" --workdir="$WORKDIR" "$@")
   # nohup + background: the run outlives the ssh session; the pid file lets `stop` signal it.
-  on_all_workers "cd ~/$REMOTE_DIR && mkdir -p logs &&
+  # (Braces: only the run goes to the background, after the directory exists.)
+  on_all_workers "cd ~/$REMOTE_DIR && mkdir -p logs && {
     nohup python3 -u -m bov_jax.main $flags > logs/main.log 2>&1 < /dev/null &
-    echo \$! > ~/$REMOTE_DIR/logs/main.pid"
+    echo \$! > logs/main.pid; }"
   echo "started on every worker; follow with: $0 logs" >&2
 }
 
@@ -115,6 +134,24 @@ status() {
   gcloud_tpu ssh "$TPU_NAME" --worker=0 --command="cat $WORKDIR/status.json 2>/dev/null || true"
 }
 
+wait_run() {
+  require_workdir
+  # `run` leaves each worker's pid in logs/main.pid; a worker prints "running" while it lives.
+  local alive="kill -0 \$(cat ~/$REMOTE_DIR/logs/main.pid 2>/dev/null) 2>/dev/null && echo running"
+  while [[ $(on_all_workers "$alive || true") == *running* ]]; do sleep "$POLL"; done
+  local status step="" num_steps=""
+  status=$(gcloud_tpu ssh "$TPU_NAME" --worker=0 --command="cat $WORKDIR/status.json || true")
+  [[ $status =~ \"step\":\ *([0-9]+) ]] && step=${BASH_REMATCH[1]}
+  [[ $status =~ \"num_steps\":\ *([0-9]+) ]] && num_steps=${BASH_REMATCH[1]}
+  if [[ -n $step && -n $num_steps ]] && ((step >= num_steps)); then
+    echo "run complete: $WORKDIR (step $step)"
+  else
+    echo "error: the run in $WORKDIR ended before its horizon (status.json: ${status//[$'\n ']/});" \
+      "see $0 logs" >&2
+    return 1
+  fi
+}
+
 stop() {
   on_all_workers "kill -TERM \$(cat ~/$REMOTE_DIR/logs/main.pid) 2>/dev/null || true"
 }
@@ -124,6 +161,7 @@ case $command in
   sync) sync_code ;;
   install) install ;;
   run) run "$@" ;;
+  wait) wait_run ;;
   logs) logs ;;
   status) status ;;
   stop) stop ;;

@@ -84,6 +84,18 @@ def test_overrides_take_the_type_of_the_default():
         apply_override(config, "train.num_steps=abc")
 
 
+def run_probe(text: str, **env: str) -> subprocess.CompletedProcess:
+    """The array script with its last line (the exec of launch/slurm.sbatch) printing REPO,
+    WORKDIR and the arguments instead."""
+    probe = text.replace(
+        'exec bash "$REPO/launch/slurm.sbatch" "$@"',
+        'echo "$REPO"; echo "$WORKDIR"; printf "%s\\n" "$@"',
+    )
+    return subprocess.run(
+        ["bash", "-c", probe], env={"PATH": "/bin:/usr/bin", **env}, capture_output=True, text=True
+    )
+
+
 def test_slurm_script_is_valid_bash_and_tpu_commands(tmp_path):
     sweep = sweeps.load_sweep(REPO / "configs/sweeps/table3.py")
     jobs = sweeps.expand(sweep, tmp_path, 2)
@@ -91,22 +103,22 @@ def test_slurm_script_is_valid_bash_and_tpu_commands(tmp_path):
     sweeps.write_executable(script, sweeps.slurm_script(sweep, tmp_path, jobs, "test"))
     text = script.read_text()
     assert "#SBATCH --array=0-11" in text and "launch/slurm.sbatch" in text
+    assert str(REPO) not in text  # the checkout is the submit directory's, or REPO
     subprocess.run(["bash", "-n", str(script)], check=True)
-    # task 5's arguments as bash sees them: its workdir and flags
-    probe = text.replace(
-        'exec bash "$REPO/launch/slurm.sbatch" "$@"', 'echo "$WORKDIR"; printf "%s\\n" "$@"'
-    )
-    out = subprocess.run(
-        ["bash", "-c", probe],
-        env={"SLURM_ARRAY_TASK_ID": "5", "PATH": "/bin"},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    assert out[0] == str(tmp_path / "d24_x0_learn" / "seed1")
+    # task 5's arguments as bash sees them, submitted from the repository root
+    done = run_probe(text, SLURM_ARRAY_TASK_ID="5", SLURM_SUBMIT_DIR=str(REPO))
+    out = done.stdout.split()
+    assert done.returncode == 0 and out[0] == str(REPO), done.stderr
+    assert out[1] == str(tmp_path / "d24_x0_learn" / "seed1")
     assert "--config.train.target_flops=3.91e+19" in out and "--config.seed=1" in out
+    # REPO wins over the submit directory; a directory without the launcher is refused
+    moved = run_probe(text, SLURM_ARRAY_TASK_ID="0", SLURM_SUBMIT_DIR="/", REPO=str(REPO))
+    assert moved.stdout.split()[0] == str(REPO)
+    wrong = run_probe(text, SLURM_ARRAY_TASK_ID="0", SLURM_SUBMIT_DIR=str(tmp_path))
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert wrong.stderr.startswith(f"error: REPO={tmp_path} is not a bov_jax checkout")
     tpu = sweeps.tpu_commands(sweep, jobs, "test")
-    assert tpu.count("launch/tpu_pod.sh run") == 12
+    assert tpu.count("\njob ") == 12 and "launch/tpu_pod.sh wait" in tpu
     subprocess.run(["bash", "-n", "-c", tpu], check=True)
 
 
@@ -139,6 +151,21 @@ def test_sweep_record_says_what_ran(tmp_path):
     horizon = r"\), 120 steps of 4,096 tokens, \d\.\de13-\d\.\de13 FLOPs; 14 runs x 1 seed$"
     assert re.search(horizon, full["title"]), full["title"]
     assert full["left_out"] == []
+
+
+def test_slurm_options_replace_the_defaults_or_are_added(tmp_path):
+    sweep = sweeps.load_sweep(REPO / "configs/sweeps/table3.py")
+    jobs = sweeps.expand(sweep, tmp_path, 1, ["d24"])
+    extra = ["--account=proj", "--partition=gpu", "--gpus-per-node=4", "--exclusive=user"]
+    lines = sweeps.slurm_script(sweep, tmp_path, jobs, "test", extra).splitlines()
+    sbatch = [line for line in lines if line.startswith("#SBATCH")]
+    assert "#SBATCH --account=proj" in sbatch and "#SBATCH --partition=gpu" in sbatch
+    assert "#SBATCH --gpus-per-node=4" in sbatch and "#SBATCH --gpus-per-node=8" not in sbatch
+    assert "#SBATCH --exclusive=user" in sbatch and "#SBATCH --exclusive" not in sbatch
+    assert len(sbatch) == len({line.split("=")[0] for line in sbatch})  # each option once
+    for bad in ("account=proj", "--array=0-3", "--"):
+        with pytest.raises(UserError, match="expected an sbatch option"):
+            sweeps.slurm_script(sweep, tmp_path, jobs, "test", [bad])
 
 
 def test_sweep_record_merges_invocations(tmp_path):

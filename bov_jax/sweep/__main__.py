@@ -33,12 +33,21 @@ def define_flags() -> None:
         "override", [], "key=value applied to every run, e.g. train.num_steps=20 (repeatable)."
     )
     flags.DEFINE_enum("launcher", "local", sweeps.LAUNCHERS, "Engine that runs the jobs.")
+    flags.DEFINE_multi_string(
+        "sbatch",
+        [],
+        "slurm launcher: an sbatch option for the array, e.g. --sbatch=--account=A "
+        "--sbatch=--partition=P --sbatch=--gpus-per-node=4 (repeatable; replaces the default "
+        "of the same name).",
+    )
     flags.DEFINE_bool("dry_run", False, "Print the jobs, their horizons and FLOPs; run nothing.")
     flags.DEFINE_alias("dry-run", "dry_run")
     flags.mark_flags_as_required(["sweep", "root"])
 
 
 def main(argv: list[str]) -> None:
+    if FLAGS.sbatch and FLAGS.launcher != "slurm":
+        raise UserError("--sbatch applies to --launcher=slurm only")
     logging.getLogger("jax").setLevel(logging.WARNING)  # no backend-probing chatter
     sweep = sweeps.load_sweep(FLAGS.sweep)
     root = Path(FLAGS.root).resolve()
@@ -54,12 +63,13 @@ def main(argv: list[str]) -> None:
     invocation = shlex.join(["python", "-m", "bov_jax.sweep", *sys.argv[1:]])
     if FLAGS.launcher == "slurm":
         path = root / "slurm_array.sbatch"
-        sweeps.write_executable(path, sweeps.slurm_script(sweep, root, jobs, invocation))
+        script = sweeps.slurm_script(sweep, root, jobs, invocation, FLAGS.sbatch)
+        sweeps.write_executable(path, script)
         print(f"wrote {path}: submit it with `sbatch {path}` from the repository root")
     elif FLAGS.launcher == "tpu":
         path = root / "tpu_commands.sh"
         sweeps.write_executable(path, sweeps.tpu_commands(sweep, jobs, invocation))
-        print(f"wrote {path}: one launch/tpu_pod.sh command per job")
+        print(f"wrote {path}: run it from the repository root (its jobs run one after another)")
     else:
         failed = sweeps.run_local(jobs)
         if failed:
