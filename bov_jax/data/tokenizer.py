@@ -46,6 +46,10 @@ SPECIALS = (
     "<|output_end|>",
 )
 _MAX_LINE_BYTES = 4096
+# The reference's tokenizer budget (tok_train, spec 6.1): documents cropped to 10,000
+# characters, reading stops after 2B characters of the train shards.
+REFERENCE_DOC_CHARS = 10_000
+REFERENCE_MAX_CHARS = 2_000_000_000
 
 
 class Tokenizer:
@@ -145,8 +149,14 @@ def load_tokenizer(
     return tokenizer
 
 
-def _training_lines(files: list[Path]) -> Iterator[str]:
-    """Non-empty lines of every document; lines over 4 kB are cut at spaces into pieces."""
+def _training_lines(files: list[Path], doc_chars: int = 0, max_chars: int = 0) -> Iterator[str]:
+    """Non-empty lines of every document; lines over 4 kB are cut at spaces into pieces.
+
+    With `doc_chars` > 0 each document is cropped to its first `doc_chars` characters, and
+    with `max_chars` > 0 reading stops once more than `max_chars` characters were read (the
+    reference's tok_train: 10,000 and 2,000,000,000, spec 6.1).
+    """
+    read = 0
     for path in files:
         parquet = pq.ParquetFile(path)
         for rg in range(parquet.num_row_groups):
@@ -154,6 +164,10 @@ def _training_lines(files: list[Path]) -> Iterator[str]:
                 shards.read_raw(parquet, rg), f"{path}: row group {rg}", True
             )
             for text in texts:
+                if max_chars and read > max_chars:
+                    return
+                text = text[:doc_chars] if doc_chars else text
+                read += len(text)
                 for line in text.split("\n"):
                     while len(line) > _MAX_LINE_BYTES:
                         cut = line.rfind(" ", 0, _MAX_LINE_BYTES)
@@ -172,10 +186,14 @@ def train_tokenizer(
     input_sentence_size: int = 300_000,
     num_threads: int = 2,
     seed: int = 0,
+    doc_chars: int = 0,
+    max_chars: int = 0,
 ) -> Path:
     """Trains a BPE model on the train shards of `data_dir`; writes the model and its config.
 
     Returns the model path. `vocab_size` counts every id (specials, <unk>, bytes, merges).
+    `doc_chars` / `max_chars` (0: no limit) crop each document and bound the characters read,
+    in file order (REFERENCE_DOC_CHARS / REFERENCE_MAX_CHARS are the reference's budget).
     """
     if vocab_size % 64:
         raise DataError(f"tokenizer vocab size {vocab_size} is not a multiple of 64")
@@ -209,7 +227,7 @@ def train_tokenizer(
     spm.set_random_generator_seed(seed)
     with (out_dir / MODEL_FILE).open("wb") as model_writer:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(files),
+            sentence_iterator=_training_lines(files, doc_chars, max_chars),
             model_writer=model_writer,
             minloglevel=2,
             **{k: v for k, v in options.items() if k != "random_seed"},
@@ -218,6 +236,8 @@ def train_tokenizer(
         sentencepiece_version=spm.__version__,
         data_dir=str(data_dir),
         train_files=[p.name for p in files],
+        doc_chars=doc_chars,
+        max_chars=max_chars,
         train_seconds=round(time.time() - start, 1),
         options=options,
     )
@@ -247,6 +267,19 @@ def main() -> None:
         help="sentences sampled for training",
     )
     train.add_argument("--threads", type=int, default=2, help="training threads")
+    train.add_argument(
+        "--doc_chars",
+        type=int,
+        default=0,
+        help=f"crop each document to this many characters (0: whole; reference "
+        f"{REFERENCE_DOC_CHARS})",
+    )
+    train.add_argument(
+        "--max_chars",
+        type=int,
+        default=0,
+        help=f"stop reading after this many characters (0: all; reference {REFERENCE_MAX_CHARS})",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     train_tokenizer(
@@ -255,6 +288,8 @@ def main() -> None:
         args.out or args.data_dir / "tokenizer",
         input_sentence_size=args.input_sentence_size,
         num_threads=args.threads,
+        doc_chars=args.doc_chars,
+        max_chars=args.max_chars,
     )
 
 

@@ -4,8 +4,9 @@ Read top to bottom: `run` validates everything, builds the mesh, state and data,
 the latest checkpoint if the workdir has one (or takes the parameters of another run's
 checkpoint, `checkpoint.init_params_from`), and hands over to `Trainer.train`. Evaluation runs
 at step 0, every `train.eval_every` steps and at the end (val BPB on a fixed token budget from
-fresh validation iterators, as the reference does); checkpoints at `checkpoint.save_every`, at
-the end, when `train.stop_after_steps` is reached and on SIGTERM/SIGINT.
+a fresh validation iterator, as the reference does, on the same tokens whatever the device
+layout); checkpoints at `checkpoint.save_every`, at the end, when `train.stop_after_steps` is
+reached and on SIGTERM/SIGINT.
 
 A resumed run is the same run: the checkpoint restores parameters, optimizer state, step, RNG
 and the position of every data stream, and metrics.jsonl is cut back to the restored step so
@@ -41,7 +42,7 @@ from bov_jax.accounting import TrainingPlan, training_plan
 from bov_jax.config import config_errors, validate_config
 from bov_jax.data.config import tokenizer_path, validate_data_config
 from bov_jax.data.identity import data_fingerprint
-from bov_jax.data.pipeline import make_batch_iterator
+from bov_jax.data.pipeline import make_batch_iterator, val_batches
 from bov_jax.data.token_cache import ensure_cache
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.data.unigram import unigram_bpb
@@ -284,16 +285,21 @@ class Trainer:
         return state
 
     def evaluate(self, params: dict) -> float:
-        """Val BPB over `train.eval_tokens` (at least one batch) from fresh val iterators."""
-        micro_tokens = self.layout.micro_rows * self.config.model.seq_len
-        steps = max(1, self.config.train.eval_tokens // micro_tokens)
-        val = DataStreams(
-            self.config, "val", self.streams, self.layout.eval_rows_per_process, self.tokenizer
-        )
+        """Val BPB over the first max(1, train.eval_tokens // seq_len) rows of the val split's
+        one stream (`val_batches`): the same rows whatever the processes, mesh and rows per
+        device. Every process reads them in global micro-batches and keeps its share; rows
+        past the budget in the last micro-batch get targets -1, which count neither nats nor
+        bytes."""
+        rows = max(1, self.config.train.eval_tokens // self.config.model.seq_len)
+        micro, share = self.layout.micro_rows, self.layout.eval_rows_per_process
+        first = jax.process_index() * share
+        val = val_batches(self.config, self.tokenizer, micro)
         nats = nbytes = 0.0
         try:
-            for _ in range(steps):
-                local = {k: v[0] for k, v in val.next_local(1).items()}
+            for start in range(0, rows, micro):
+                local = {k: v[first : first + share] for k, v in next(val).items()}
+                counted = start + first + np.arange(share) < rows
+                local["targets"] = np.where(counted[:, None], local["targets"], -1)
                 batch = sharding.global_batch(local, self.mesh)
                 step_nats, step_bytes = self.eval_step(params, batch, self.token_bytes)
                 nats, nbytes = nats + float(step_nats), nbytes + float(step_bytes)
