@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -177,6 +178,9 @@ def test_offline_prepare_then_d24_trains_and_evaluates(mirror, tmp_path):
     assert record["shards"] == [STALLED, "shard_00001.parquet", "shard_06542.parquet"]
     assert record["split_tokens"]["train"] > record["split_tokens"]["val"] > 0
     assert "is ready" in done.stdout
+    assert "building the token cache" in done.stderr
+    for noise in ("Downloading and preparing", "\r", "\x1b["):  # TFDS' banner, progress bars
+        assert noise not in done.stdout + done.stderr
     tokenizer_record = json.loads((data / "tokenizer" / "training_config.json").read_text())
     assert (tokenizer_record["doc_chars"], tokenizer_record["max_chars"]) == (10_000, 2 * 10**9)
 
@@ -201,6 +205,20 @@ def test_offline_prepare_then_d24_trains_and_evaluates(mirror, tmp_path):
         )
     )
     assert main.returncode == 0, main.stderr[-3000:]
+    for line in (
+        "backend cpu: 1 x cpu (1 per process), 1 process(es)",
+        "dtypes: compute float32, params float32, tables float32; attention xla",
+        f"workdir {workdir}: metrics.jsonl and tensorboard/ (tensorboard --logdir {workdir}/",
+        f"saving checkpoint 2 to {workdir}/checkpoints/2",
+        "checkpoint 2 saved (",
+    ):
+        assert line in main.stderr, line
+    (entry,) = json.loads((workdir / "run.json").read_text())["invocations"]
+    assert len(entry["git"]["commit"]) == 40 and isinstance(entry["git"]["dirty"], bool)
+    assert {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"} <= set(entry["versions"])
+    assert entry["versions"]["jax"] == jax.__version__
+    assert (entry["backend"], entry["device_kind"], entry["device_count"]) == ("cpu", "cpu", 1)
+    assert entry["process_count"] == 1 and entry["start_step"] == 0
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_bpb" in r]
     assert [r["step"] for r in evals] == [0, 2] and all(np.isfinite(r["val_bpb"]) for r in evals)

@@ -51,7 +51,7 @@ from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.files import check_writable, write_json_atomic, write_text_atomic
 from bov_jax.model.gpt import learned_coefficients
 from bov_jax.model.spec import resolve_auto
-from bov_jax.train import schedules
+from bov_jax.train import run_record, schedules
 from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
@@ -504,6 +504,7 @@ def train_in(workdir: Path, trainer: Trainer) -> dict[str, Any]:
         state = trainer.restore_or_initialize()
         if jax.process_index() == 0:  # only now: a mismatching checkpoint keeps its config
             write_json_atomic(workdir / "config.json", trainer.config_dict)
+            run_record.append_invocation(workdir, run_record.invocation(int(state.step)))
             truncate_metrics(workdir / "metrics.jsonl", int(state.step))
         metrics = MetricsWriter(workdir, int(state.step))
         try:
@@ -536,6 +537,35 @@ def recorded_config(config: Any, streams: int) -> dict[str, Any]:
     return recorded
 
 
+def log_setup(config_dict: dict[str, Any], workdir: Path) -> None:
+    """What runs where: backend, devices, processes, dtypes, attention, and the run's files."""
+    d, model = run_record.device_summary(), config_dict["model"]
+    m = {key: resolve_auto(key, value) for key, value in model.items() if isinstance(value, str)}
+    log.info(
+        "backend %s: %d x %s (%d per process), %d process(es)",
+        d["backend"],
+        d["device_count"],
+        d["device_kind"],
+        d["local_device_count"],
+        d["process_count"],
+    )
+    log.info(
+        "dtypes: compute %s, params %s, tables %s; attention %s",
+        m["compute_dtype"],
+        m["param_dtype"],
+        m["table_dtype"],
+        m["attention_impl"],
+    )
+    every = config_dict["checkpoint"]["save_every"]
+    log.info(
+        "workdir %s: metrics.jsonl and tensorboard/ (tensorboard --logdir %s), checkpoints/ "
+        "(%s and at the end), config.json, run.json",
+        workdir.absolute(),
+        workdir.absolute() / "tensorboard",
+        f"every {every} steps" if every else "only",
+    )
+
+
 def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     """Train (or resume) the configured run in `workdir`; returns the final metrics."""
     workdir = Path(workdir)
@@ -553,6 +583,7 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     prepare_token_cache(config.data, tokenizer)
     is_main = jax.process_index() == 0
     config_dict = recorded_config(config, streams)
+    log_setup(config_dict, workdir)
     log.info("plan: %s", json.dumps(plan.summary()))
     log.info(
         "mesh %s; %d micro-batches of %d rows per step; %d data streams",
