@@ -192,3 +192,20 @@ def test_report_command(tmp_path):
     assert (
         bad.returncode == 2 and "error: --root=" in bad.stderr and "not a directory" in bad.stderr
     )
+
+
+def test_single_run_prefers_the_full_split_bpb_and_says_so(tmp_path):
+    workdir = tmp_path / "run"
+    write_seed(workdir, "d12_bov", 0, final_bpb=1.25)
+    in_training = write_report(single_run(workdir), tmp_path / "a", with_kv_cache=False)
+    text = in_training.read_text()
+    assert "1.2500 (n=1)" in text
+    assert "val BPB from metrics.jsonl (the in-training eval, train.eval_tokens)" in text
+    (workdir / "evals").mkdir()
+    earlier = {"step": 10, "val_bpb": 9.0, "tokens": 4096}  # not the final model: ignored
+    (workdir / "evals" / "bpb_step10.json").write_text(json.dumps(earlier))
+    final = {"step": 20, "val_bpb": 1.2345, "tokens": 65536}
+    (workdir / "evals" / "bpb_step20.json").write_text(json.dumps(final))
+    text = write_report(single_run(workdir), tmp_path / "b", with_kv_cache=False).read_text()
+    assert "1.2345 (n=1)" in text and "1.2500 (n=1)" not in text
+    assert "val BPB from evals/bpb_step20.json (65536 val tokens): d12_bov seed 0." in text

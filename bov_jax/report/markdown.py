@@ -44,6 +44,8 @@ def render_report(sweep: Sweep, out: Path, figure_paths: list[Path]) -> str:
         "negative BPB Δ is better. The paper's numbers are single runs at the paper's scale.",
         tables.results_table(sweep),
     ]
+    if sources := tables.bpb_sources(sweep):
+        parts.append(sources)
     if core := tables.core_tasks_table(sweep):
         parts += ["## CORE per task (Table 4 layout)", core]
     if coefficients := tables.coefficient_table(sweep):

@@ -3,8 +3,10 @@
 A root holds `sweep.json` (written by the sweep command) and run workdirs `ROOT/<run>/seed<k>/`;
 without sweep.json the runs are inferred from those directories. A workdir holds config.json,
 metrics.jsonl (one JSON record per line; eval records carry `val_bpb` and `coefficients`),
-status.json ({"step", "num_steps"}) and evals/core_step<N>.json. Whatever is missing or
-damaged is noted in `SeedRun.problems` and the rest is still read.
+status.json ({"step", "num_steps"}), evals/core_step<N>.json and evals/bpb_step<N>.json (the
+val BPB of `python -m bov_jax.evals.bpb`, on up to one pass of the val split, preferred to the
+in-training eval for the final step). Whatever is missing or damaged is noted in
+`SeedRun.problems` and the rest is still read.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from bov_jax.errors import UserError
 
 SEED_DIR = re.compile(r"seed(\d+)$")
 CORE_FILE = re.compile(r"core_step(\d+)\.json$")
+BPB_FILE = re.compile(r"bpb_step(\d+)\.json$")
 BASELINE_VALUE_PATH = {"source": "residual", "combine": "replace", "scale": "none"}
 
 
@@ -33,6 +36,7 @@ class SeedRun:
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # by step
     status: dict[str, Any] | None = None
     core: dict[str, Any] | None = None  # the latest evals/core_step<N>.json
+    full_bpb: dict[str, Any] | None = None  # evals/bpb_step<N>.json of the final step
     flops_per_step: float | None = None
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -43,11 +47,26 @@ class SeedRun:
 
     @property
     def final_bpb(self) -> float | None:
-        """Val BPB at the final step of a finished run (None if unfinished or not evaluated)."""
-        if not self.finished or not self.evals:
+        """Val BPB at the final step of a finished run (None if unfinished or not evaluated):
+        evals/bpb_step<N>.json's when there is one, else the in-training eval's."""
+        if not self.finished:
+            return None
+        if self.full_bpb is not None:
+            return self.full_bpb["val_bpb"]
+        if not self.evals:
             return None
         last = self.evals[-1]
         return last["val_bpb"] if last["step"] >= self.status["num_steps"] else None
+
+    @property
+    def bpb_source(self) -> str | None:
+        """Which evaluation `final_bpb` is, in words."""
+        if self.final_bpb is None:
+            return None
+        if self.full_bpb is not None:
+            tokens = self.full_bpb.get("tokens", "?")
+            return f"evals/bpb_step{self.full_bpb['step']}.json ({tokens} val tokens)"
+        return "metrics.jsonl (the in-training eval, train.eval_tokens)"
 
     @property
     def coefficients(self) -> dict[str, float]:
@@ -135,12 +154,14 @@ def read_eval_records(path: Path, problems: list[str]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def latest_core(workdir: Path, problems: list[str]) -> dict[str, Any] | None:
-    """The evals/core_step<N>.json of the largest N, if any."""
+def latest_eval(
+    workdir: Path, problems: list[str], pattern: re.Pattern = CORE_FILE
+) -> dict[str, Any] | None:
+    """The evals/<kind>_step<N>.json of the largest N (CORE_FILE or BPB_FILE), if any."""
     files = [
         (int(m.group(1)), p)
-        for p in (workdir / "evals").glob("core_step*.json")
-        if (m := CORE_FILE.search(p.name))
+        for p in (workdir / "evals").glob("*_step*.json")
+        if (m := pattern.match(p.name))
     ]
     if not files:
         return None
@@ -169,9 +190,12 @@ def read_seed_run(workdir: Path, seed: int) -> SeedRun:
     run.config = read_json(workdir / "config.json", run.problems)
     run.evals = read_eval_records(workdir / "metrics.jsonl", run.problems)
     run.status = read_json(workdir / "status.json", run.problems)
+    run.core = latest_eval(workdir, run.problems)
+    bpb = latest_eval(workdir, run.problems, BPB_FILE)
+    if run.finished and bpb and "val_bpb" in bpb and bpb.get("step", -1) >= run.status["num_steps"]:
+        run.full_bpb = bpb
     if run.finished and run.final_bpb is None:
         run.problems.append("no val BPB at the final step")
-    run.core = latest_core(workdir, run.problems)
     run.flops_per_step = flops_per_step(run.config)
     return run
 

@@ -90,6 +90,18 @@ def results_table(sweep: Sweep) -> str:
     return markdown_table(header, rows)
 
 
+def bpb_sources(sweep: Sweep) -> str | None:
+    """Which evaluation the val BPB cells show: 'val BPB from <source>: run seed k, ...'."""
+    by_source: dict[str, list[str]] = {}
+    for run in sweep.runs:
+        for seed, s in sorted(run.seeds.items()):
+            if s.bpb_source is not None:
+                by_source.setdefault(s.bpb_source, []).append(f"{run.name} seed {seed}")
+    if not by_source:
+        return None
+    return "\n".join(f"val BPB from {k}: {', '.join(v)}." for k, v in by_source.items())
+
+
 def core_tasks_table(sweep: Sweep) -> str | None:
     """Table 4: centered accuracy per CORE task (mean ± std over seeds) for runs with CORE."""
     runs = [r for r in sweep.runs if r.finished_values("core")]
