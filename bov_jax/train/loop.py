@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bov_jax import sharding
-from bov_jax.accounting import TrainingPlan, training_plan
+from bov_jax.accounting import TrainingPlan, evaluation_cost, training_plan
 from bov_jax.config import config_errors, validate_config
 from bov_jax.data.config import tokenizer_path, validate_data_config
 from bov_jax.data.identity import data_fingerprint
@@ -585,6 +585,14 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     config_dict = recorded_config(config, streams)
     log_setup(config_dict, workdir)
     log.info("plan: %s", json.dumps(plan.summary()))
+    cost = evaluation_cost(config, plan)
+    log.info(
+        "val BPB: %d evals of %d tokens (every %d steps): +%.1f%% of the training compute",
+        cost["evals"],
+        cost["tokens_per_eval"],
+        cost["eval_every"],
+        100 * cost["compute_share"],
+    )
     log.info(
         "mesh %s; %d micro-batches of %d rows per step; %d data streams",
         dict(mesh.shape),
