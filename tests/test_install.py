@@ -1,12 +1,16 @@
-"""The install is declared once: pyproject.toml's dependencies (+ `dev`) are requirements.txt,
-and the accelerator extras pin the same jax."""
+"""Install and launch: the dependencies are declared once (pyproject.toml's, plus `dev`, are
+requirements.txt; the accelerator extras pin the same jax), `launch/tpu_pod.sh install` stops
+with one line without a Python >= 3.11, and the documented commands name modules that exist."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import tomllib
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,3 +63,23 @@ def test_tpu_pod_install_stops_with_one_line_without_python_311(tmp_path):
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: ") and "no Python >= 3.11 (the image has Python 3.10.12)" in line
     assert "uv could not install one" in line and not (home / "bov_jax" / ".venv").exists()
+
+
+DOCUMENTED = [
+    "README.md",
+    *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")),
+]
+LAUNCH = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "launch").glob("*.sh"))
+
+
+@pytest.mark.parametrize("path", DOCUMENTED + LAUNCH)
+def test_documented_commands_name_existing_modules(path):
+    modules = set(re.findall(r"-m (bov_jax(?:\.\w+)*)", (REPO / path).read_text()))
+    missing = [m for m in sorted(modules) if importlib.util.find_spec(m) is None]
+    assert not missing, f"{path} runs modules that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", [*LAUNCH, "launch/slurm.sbatch"])
+def test_launch_scripts_parse(path):
+    done = subprocess.run(["bash", "-n", str(REPO / path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
