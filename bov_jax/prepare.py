@@ -32,6 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from absl import app, flags
+from ml_collections import config_flags
+
+from bov_jax.accounting import training_plan
+from bov_jax.config import define_config_flag, validate_config
 from bov_jax.corpora import climbmix
 from bov_jax.data import token_cache
 from bov_jax.data.config import tokenizer_path
@@ -149,11 +154,13 @@ class Request:
         }
 
 
-def describe_download(request: Request) -> str:
-    """'N train shards + the val shard (M to fetch, about X GB) for ...'."""
-    missing = [
-        i for i in request.indices if not (request.data_dir / climbmix.shard_name(i)).exists()
-    ]
+def missing_shards(request: Request) -> list[int]:
+    """The requested shard indices not yet in DIR (a `.part` file counts as missing)."""
+    return [i for i in request.indices if not (request.data_dir / climbmix.shard_name(i)).exists()]
+
+
+def describe_download(request: Request, missing: list[int]) -> str:
+    """'N train shards + the val shard for ... into DIR: M to fetch, about X GB ...'."""
     return (
         f"{len(request.indices) - 1} train shards + the val shard for "
         f"{request.horizon_tokens / 1e9:.3g}B training tokens into {request.data_dir}: "
@@ -233,10 +240,8 @@ def prepare(request: Request, base_url: str, workers: int, threads: int) -> dict
     if record is not None and verify_prepared(request, record):
         print(f"{request.data_dir} is ready (verified {RECORD}: shards, tokenizer, token cache)")
         return record
-    print(describe_download(request), flush=True)
-    missing = [
-        i for i in request.indices if not (request.data_dir / climbmix.shard_name(i)).exists()
-    ]
+    missing = missing_shards(request)
+    print(describe_download(request, missing), flush=True)
     if missing:
         climbmix.download(missing, request.data_dir, base_url=base_url, workers=workers)
     files = shard_record(request)
@@ -269,8 +274,6 @@ def request_from_flags(
 ) -> Request:
     """The Request of a validated config: data_dir set, the shards from the horizon unless
     `num_shards` is given."""
-    from bov_jax.accounting import training_plan
-
     config.unlock()
     config.data.data_dir = str(Path(data_dir).resolve())
     config.lock()
@@ -281,10 +284,6 @@ def request_from_flags(
 
 def define_flags() -> None:
     """The command's flags (defined on use: main imports this module for check_prepared)."""
-    from absl import flags
-
-    from bov_jax.config import define_config_flag
-
     define_config_flag()
     flags.DEFINE_string("data_dir", None, "Directory to prepare (shards, tokenizer, token cache).")
     flags.DEFINE_integer(
@@ -298,11 +297,6 @@ def define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    from bov_jax.config import validate_config
-
     f = flags.FLAGS
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
