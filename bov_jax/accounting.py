@@ -186,6 +186,26 @@ def training_plan(config: Any) -> TrainingPlan:
     )
 
 
+def evaluation_cost(config: Any, plan: TrainingPlan) -> dict[str, Any]:
+    """What the in-training val BPB evals cost over the whole horizon.
+
+    Evals run at step 0, every train.eval_every steps and at the end, each over
+    max(1, eval_tokens // seq_len) rows. An eval is a forward pass: 1/3 of a training token's
+    FLOPs (2N + the forward third of attention against 6N + attention), so the share of the
+    training compute is eval tokens / (3 x training tokens).
+    """
+    t, seq_len = config.train, config.model.seq_len
+    evals = plan.num_steps // t.eval_every + 1 + (plan.num_steps % t.eval_every > 0)
+    tokens = evals * max(1, t.eval_tokens // seq_len) * seq_len
+    return {
+        "evals": evals,
+        "eval_every": t.eval_every,
+        "tokens_per_eval": max(1, t.eval_tokens // seq_len) * seq_len,
+        "eval_tokens_total": tokens,
+        "compute_share": tokens / (3 * plan.tokens),
+    }
+
+
 def xla_cross_check(config: Any, rows: int = 2) -> dict[str, Any]:
     """XLA's cost_analysis() FLOPs of the compiled forward+backward next to the analytic count.
 
@@ -228,7 +248,8 @@ def main(argv: list[str]) -> None:
     from absl import flags
 
     config = flags.FLAGS.config
-    summary = training_plan(config).summary()
+    plan = training_plan(config)
+    summary = {**plan.summary(), "evaluation": evaluation_cost(config, plan)}
     if flags.FLAGS.xla:
         summary["xla"] = xla_cross_check(config)
     print(json.dumps(summary, indent=2))

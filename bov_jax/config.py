@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from bov_jax.data.config import default_data_config
 from bov_jax.errors import ConfigError
@@ -275,16 +277,19 @@ KEY_DOCS = {
 }
 
 
-def describe_keys() -> list[tuple[str, object, str]]:
-    """(key, default, one-line doc) of every config key, from the comments in this file and
-    in bov_jax/data/config.py."""
+def describe_keys(
+    config: ml_collections.ConfigDict | None = None,
+) -> list[tuple[str, object, str]]:
+    """(key, value, one-line doc) of every key of `config` (default: the schema's defaults),
+    the docs from the comments in this file and in bov_jax/data/config.py."""
     sections = dict(c="", m="model.", o="optim.", t="train.", mesh="mesh.", ck="checkpoint.")
     docs = (
         KEY_DOCS
         | _source_docs(default_config, sections)
         | _source_docs(default_data_config, {"c": "data."})
     )
-    return [(key, value, docs.get(key, "")) for key, value in key_paths(default_config()).items()]
+    values = key_paths(default_config() if config is None else config)
+    return [(key, value, docs.get(key, "")) for key, value in values.items()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,6 +487,20 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 CONFIG_FLAG = "--config"
+
+
+def define_config_flag() -> flags.FlagHolder:
+    """The --config flag of the commands that take an experiment (main, prepare): a config
+    file, optionally with a preset, and --config.<key>=<value> overrides. Pair it with
+    `cli.run(main, check_argv=check_config_arguments)`."""
+    return config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "Experiment config file, optionally with a preset: configs/quickstart.py or "
+        "configs/ablations.py:<preset>. Override keys with --config.<key>=<value>; "
+        "--show_config lists them.",
+        lock_config=True,
+    )
 
 
 def config_key_paths() -> list[str]:

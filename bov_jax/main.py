@@ -18,14 +18,15 @@ or value, input file or an unwritable workdir (see bov_jax/cli.py; --debug shows
 from __future__ import annotations
 
 import logging
+import sys
 
 import jax
 from absl import flags
-from ml_collections import config_flags
 
 from bov_jax import cli
-from bov_jax.config import check_config_arguments, describe_keys
+from bov_jax.config import check_config_arguments, define_config_flag, describe_keys
 from bov_jax.errors import UserError
+from bov_jax.prepare import check_prepared
 from bov_jax.train import xla_flags
 
 FLAGS = flags.FLAGS
@@ -33,17 +34,13 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     """The command's flags (defined on use: other entry points also have a --workdir)."""
-    config_flags.DEFINE_config_file(
-        "config",
-        None,
-        "Experiment config file, optionally with a preset: configs/quickstart.py or "
-        "configs/ablations.py:<preset>. Override keys with --config.<key>=<value>; "
-        "--show_config lists them.",
-        lock_config=True,
-    )
+    define_config_flag()
     flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints.")
     flags.DEFINE_bool(
-        "show_config", False, "Print every config key with its default and meaning, then exit."
+        "show_config",
+        False,
+        "Print every config key with its value and meaning, then exit: the resolved --config "
+        "with its overrides, or the schema's defaults without --config.",
     )
     flags.DEFINE_enum(
         "check_platform",
@@ -112,9 +109,10 @@ def configure_logging() -> None:
 
 
 def show_config() -> None:
-    """Every key of the schema: `key = default  # meaning` (the comments of bov_jax/config.py)."""
-    for key, default, doc in describe_keys():
-        print(f"{key} = {default!r}" + (f"  # {doc}" if doc else ""))
+    """Every key as `key = value  # meaning` (the comments of bov_jax/config.py): of --config
+    with its overrides when given, else of the schema's defaults."""
+    for key, value, doc in describe_keys(FLAGS.config):
+        print(f"{key} = {value!r}" + (f"  # {doc}" if doc else ""))
 
 
 def main(argv: list[str]) -> None:
@@ -129,6 +127,7 @@ def main(argv: list[str]) -> None:
     for name in ("config", "workdir"):
         if not FLAGS[name].present:
             raise UserError(f"--{name} is required (--help explains the flags)")
+    check_prepared(FLAGS.config, sys.argv[1:])  # a paper config on unprepared data: say how
     xla_flags.set_gpu_flags()  # before the backend starts
     initialize_distributed()
     configure_logging()

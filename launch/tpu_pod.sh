@@ -6,10 +6,17 @@
 #
 #   create    create the slice (SPOT=1: a spot slice)
 #   sync      copy this checkout (tracked and untracked, not ignored files, no virtual
-#             environments) to every worker
-#   install   pip-install requirements.txt and JAX for TPU on every worker; mount NFS_SHARE
+#             environments) to every worker, with its git commit in .revision.json (the run
+#             record reads it)
+#   install   on every worker: a venv (REMOTE_DIR/.venv) with Python >= 3.11 and
+#             `pip install -e .[tpu]`; mount NFS_SHARE. TPU VM images ship Python 3.10: the
+#             script takes python3.11+ if the image has one, else installs uv from PyPI and
+#             a Python 3.11 with `uv python install 3.11`; it stops with one line if neither works
+#   prepare   on worker 0: python -m bov_jax.prepare --config=$CONFIG --data_dir=$DATA_DIR
+#             (shards, tokenizer, token cache on the shared storage); extra flags go to it
 #   run       start training on every worker in the background (resumes if WORKDIR has
-#             checkpoints); extra flags go to bov_jax.main, e.g. --config.train.num_steps=100
+#             checkpoints), with --config.data.data_dir=$DATA_DIR when DATA_DIR is set;
+#             extra flags go to bov_jax.main, e.g. --config.train.num_steps=100
 #   wait      return once the run has ended on every worker: status 0 when WORKDIR/status.json
 #             shows its horizon reached, 1 otherwise (the sweep's tpu_commands.sh uses it)
 #   logs      follow worker 0's log
@@ -28,8 +35,8 @@
 #   REMOTE_DIR        checkout directory on the workers, relative to $HOME (default bov_jax)
 #   WORKDIR           run directory; must be the same shared storage on every worker, e.g. an
 #                     NFS (Filestore) mount (required by run and status)
+#   DATA_DIR          prepared data directory on the shared storage (required by prepare)
 #   CONFIG            experiment config (default configs/d24_bov.py)
-#   JAX_SPEC          pip requirement for JAX on TPU (default "jax[tpu]>=0.10.0,<0.12")
 #   NFS_SHARE         install: server:/export to mount at SHARED_MOUNT on every worker
 #   SHARED_MOUNT      install: mount point (default /mnt/shared)
 #   POLL              wait: seconds between checks (default 60)
@@ -52,7 +59,6 @@ RUNTIME_VERSION=${RUNTIME_VERSION:-v2-alpha-tpuv5}
 SPOT=${SPOT:-0}
 REMOTE_DIR=${REMOTE_DIR:-bov_jax}
 CONFIG=${CONFIG:-configs/d24_bov.py}
-JAX_SPEC=${JAX_SPEC:-jax[tpu]>=0.10.0,<0.12}
 SHARED_MOUNT=${SHARED_MOUNT:-/mnt/shared}
 POLL=${POLL:-60}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,13 +96,42 @@ code_files() {
 }
 
 sync_code() {
-  local tmp
+  local tmp dirty=false
   tmp=$(mktemp -d)
-  code_files | (cd "$repo" && tar --null --ignore-failed-read -czf "$tmp/code.tgz" -T -)
+  [[ -z $(git -C "$repo" status --porcelain --untracked-files=no) ]] || dirty=true
+  printf '{"commit": "%s", "dirty": %s}\n' "$(git -C "$repo" rev-parse HEAD)" "$dirty" \
+    >"$tmp/.revision.json"
+  code_files | (cd "$repo" && tar --null --ignore-failed-read -czf "$tmp/code.tgz" -T - \
+    -C "$tmp" .revision.json)
   gcloud_tpu scp "$tmp/code.tgz" "$TPU_NAME:bov_jax_code.tgz" --worker=all
   rm -rf "$tmp"
   on_all_workers "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/bov_jax_code.tgz -C ~/$REMOTE_DIR"
 }
+
+# Runs on each worker, in the checkout: a venv with Python >= 3.11, then the package for TPU.
+# shellcheck disable=SC2016  # expanded on the worker
+VENV_SCRIPT='
+set -e
+py=""
+for candidate in python3.13 python3.12 python3.11 python3; do
+  if command -v "$candidate" >/dev/null &&
+    "$candidate" -c "import sys; sys.exit(sys.version_info < (3, 11))" 2>/dev/null; then
+    py=$(command -v "$candidate"); break
+  fi
+done
+if [ -z "$py" ]; then
+  python3 -m pip install -q --user uv >/dev/null 2>&1 &&
+    "$HOME/.local/bin/uv" python install -q 3.11 >/dev/null 2>&1 &&
+    py=$("$HOME/.local/bin/uv" python find 3.11) || {
+    echo "error: $(hostname): no Python >= 3.11 (the image has $(python3 -V 2>&1)) and uv could not install one; install python3.11 and python3.11-venv (e.g. from ppa:deadsnakes/ppa) and rerun install" >&2
+    exit 1
+  }
+fi
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+.venv/bin/python -m pip install -q -U pip
+.venv/bin/python -m pip install -q -e ".[tpu]"
+echo "$(hostname): $(.venv/bin/python -V), jax $(.venv/bin/python -c "import jax; print(jax.__version__)"), libtpu $(.venv/bin/python -c "import importlib.metadata as m; print(m.version(\"libtpu\"))")"
+'
 
 install() {
   local mount=""
@@ -106,18 +141,26 @@ install() {
       sudo mount -t nfs -o hard,timeo=600 $NFS_SHARE $SHARED_MOUNT) &&
       sudo chmod a+rwx $SHARED_MOUNT &&"
   fi
-  on_all_workers "$mount cd ~/$REMOTE_DIR && python3 -m pip install -q -U pip &&
-    python3 -m pip install -q -r requirements.txt '$JAX_SPEC'"
+  on_all_workers "$mount cd ~/$REMOTE_DIR && bash -c $(printf '%q' "$VENV_SCRIPT")"
+}
+
+prepare() {
+  : "${DATA_DIR:?set DATA_DIR to a directory on storage shared by all workers}"
+  local flags
+  flags=$(printf '%q ' --config="$CONFIG" --data_dir="$DATA_DIR" "$@")
+  gcloud_tpu ssh "$TPU_NAME" --worker=0 \
+    --command="cd ~/$REMOTE_DIR && .venv/bin/python -m bov_jax.prepare $flags"
 }
 
 run() {
   require_workdir
   local flags
-  flags=$(printf '%q ' --config="$CONFIG" --workdir="$WORKDIR" "$@")
+  flags=$(printf '%q ' --config="$CONFIG" --workdir="$WORKDIR" \
+    ${DATA_DIR:+--config.data.data_dir="$DATA_DIR"} "$@")
   # nohup + background: the run outlives the ssh session; the pid file lets `stop` signal it.
   # (Braces: only the run goes to the background, after the directory exists.)
   on_all_workers "cd ~/$REMOTE_DIR && mkdir -p logs && {
-    nohup python3 -u -m bov_jax.main $flags > logs/main.log 2>&1 < /dev/null &
+    nohup .venv/bin/python -u -m bov_jax.main $flags > logs/main.log 2>&1 < /dev/null &
     echo \$! > logs/main.pid; }"
   echo "started on every worker; follow with: $0 logs" >&2
 }
@@ -160,6 +203,7 @@ case $command in
   create) create ;;
   sync) sync_code ;;
   install) install ;;
+  prepare) prepare "$@" ;;
   run) run "$@" ;;
   wait) wait_run ;;
   logs) logs ;;

@@ -10,7 +10,13 @@ import pytest
 from bov_jax.data import shards
 from bov_jax.data.config import EMBEDDED_DIR
 from bov_jax.data.testing import write_corpus
-from bov_jax.data.tokenizer import CONFIG_FILE, SPECIALS, load_tokenizer, train_tokenizer
+from bov_jax.data.tokenizer import (
+    CONFIG_FILE,
+    SPECIALS,
+    _training_lines,
+    load_tokenizer,
+    train_tokenizer,
+)
 from bov_jax.errors import DataError
 
 SAMPLES = [
@@ -90,3 +96,17 @@ def test_load_errors_name_the_file(tmp_path):
         DataError, match=r"has vocab size 8192 but config.model.vocab_size is 32768"
     ):
         load_tokenizer(EMBEDDED_DIR / "tokenizer", expected_vocab_size=32768)
+
+
+def test_training_lines_crop_documents_and_stop_at_the_character_budget(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", docs_per_shard=30)
+    files = shards.split_files(corpus, "train")
+    whole = list(_training_lines(files))
+    cropped = list(_training_lines(files, doc_chars=40))
+    # each document gives its marker line and at most 40 - len(marker) - 2 more characters
+    assert len(cropped) < len(whole) and max(map(len, cropped)) <= 40
+    budget = list(_training_lines(files, max_chars=5_000))
+    assert 0 < len(budget) < len(whole) and budget == whole[: len(budget)]
+    longest = max(len(t) for f in files for t in pq.read_table(f).column("text").to_pylist())
+    # reading stops at the first document that starts past the budget
+    assert 5_000 - longest < sum(map(len, budget)) <= 5_000 + longest

@@ -3,15 +3,19 @@
 launch/local_multiprocess.sh 2 runs 2 processes x 1 CPU device; the reference is 1 process x
 2 devices reading the same 2 data streams. Both must give the same losses, the 2-process run
 must leave one metrics file written by process 0 and a checkpoint with both processes' shards
-and data positions, and the 1-process run must be able to continue it.
+and data positions, and the 1-process run must be able to continue it. The val BPB of the
+same weights (the initial ones) must not depend on the layout: 2 processes x 2 rows per device
+and 1 process x 1 row per device (4 micro-batches, one data stream) score the same val tokens.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_resume import (
     REPO,
     STEPS,
@@ -57,6 +61,12 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path):
         "ocdbt.process_0",
         "ocdbt.process_1",
     }
+
+    one_row = tmp_path / "one_row_per_device"
+    run_main(one_row, "--config.train.device_batch_size=1", "--config.train.stop_after_steps=1")
+    assert json.loads((one_row / "config.json").read_text())["train"]["data_streams"] == 1
+    initial_bpb = [metrics(w)[0]["val_bpb"] for w in (two_procs, one_row)]
+    assert initial_bpb[0] == pytest.approx(initial_bpb[1], rel=1e-6)
 
     streams = "--config.train.data_streams=2"
     run_main(one_proc, TWO_DEVICES, streams, devices=2)

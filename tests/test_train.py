@@ -161,6 +161,30 @@ def test_inconsistent_batch_fails_before_compiling():
         BatchLayout.resolve(config, training_plan(config), mesh)
 
 
+def test_batch_error_proposes_the_fix():
+    """The quickstart on 2 devices (launch/local_multiprocess.sh 2): 8 rows of 512 tokens
+    per step are 4 per device, fewer than train.device_batch_size=8."""
+    from bov_jax.sweep.config_files import load_config
+    from bov_jax.train.layout import BatchLayout, divisibility_fix
+
+    config = load_config("configs/quickstart.py")
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:2])
+    with pytest.raises(
+        ValueError,
+        match=r"8192 tokens per micro-batch; pass --config.train.device_batch_size=4 \(4 rows",
+    ):
+        BatchLayout.resolve(config, training_plan(config), mesh)
+    config.train.device_batch_size = 4
+    assert BatchLayout.resolve(config, training_plan(config), mesh).accum == 1
+    assert divisibility_fix(6 * 64, 64, 2, 2) == (
+        "pass --config.train.device_batch_size=1 (3 rows per device per step)"
+    )
+    assert divisibility_fix(3000, 64, 2, 3).startswith(
+        "pass --config.train.total_batch_tokens=2944 (a multiple of 128"
+    )
+    assert divisibility_fix(100, 64, 2, 3).startswith("pass --config.train.total_batch_tokens=128")
+
+
 def test_bad_model_value_is_named():
     config = train_config()
     config.model.value_path.combine = "multiply"

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,8 +50,16 @@ class BovTokenCache(tfds.core.GeneratorBasedBuilder):
         self._shard_dir = shard_dir
         self._tokenizer = tokenizer
         self._skip_bad = skip_bad
-        self._dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+        self._dtype = id_dtype(tokenizer.vocab_size)
         super().__init__(**kwargs)
+
+    # TFDS prints "Downloading and preparing dataset ..." and "... downloaded and prepared"
+    # for every build; nothing is downloaded here, and ensure_cache logs the build itself.
+    def _log_download_bytes(self) -> None:
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
 
     def _info(self) -> tfds.core.DatasetInfo:
         tokens = tfds.features.Tensor(
@@ -87,6 +96,11 @@ class BovTokenCache(tfds.core.GeneratorBasedBuilder):
             shards.report_skipped(path, skipped)
 
 
+def id_dtype(vocab_size: int) -> np.dtype:
+    """The dtype of the cached ids: uint16 for vocabularies up to 65536, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
 def fingerprint(shard_dir: Path, tokenizer: Tokenizer, skip_bad: bool) -> str:
     """16 hex digits naming the cache of (shards, tokenizer, skip switch, cache format)."""
     digest = hashlib.sha256(f"{_VERSION} {tokenizer.sha256} {skip_bad}".encode())
@@ -112,27 +126,40 @@ def _check_writable(root: Path) -> None:
         ) from e
 
 
-def ensure_cache(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path:
-    """Returns the directory of the cache for `data_cfg` and `tokenizer`, building it if needed."""
+def _builder(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> BovTokenCache:
     shard_dir = Path(data_cfg.data_dir)
     root = cache_root(data_cfg) / fingerprint(shard_dir, tokenizer, data_cfg.skip_bad_documents)
-    builder = BovTokenCache(
+    return BovTokenCache(
         shard_dir=shard_dir,
         tokenizer=tokenizer,
         skip_bad=data_cfg.skip_bad_documents,
         data_dir=str(root),
         file_format="array_record",
     )
-    built = Path(builder.data_dir) / "dataset_info.json"
-    if not built.exists():
+
+
+def built_cache(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path | None:
+    """The directory of the cache for `data_cfg` and `tokenizer` if it is built, else None."""
+    cache = Path(_builder(data_cfg, tokenizer).data_dir)
+    return cache if (cache / "dataset_info.json").exists() else None
+
+
+def ensure_cache(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path:
+    """Returns the directory of the cache for `data_cfg` and `tokenizer`, building it if needed
+    (TFDS' progress bars only on a terminal)."""
+    builder = _builder(data_cfg, tokenizer)
+    cache = Path(builder.data_dir)
+    root = cache.parents[1]  # <root>/bov_token_cache/<version>
+    if not (cache / "dataset_info.json").exists():
         _check_writable(root)
         with build_lock(root):  # jobs of a sweep or processes of a host may start together
-            if not built.exists():
+            if not (cache / "dataset_info.json").exists():
                 start = time.time()
-                log.info("building the token cache of %s in %s", shard_dir, builder.data_dir)
+                log.info("building the token cache of %s in %s", data_cfg.data_dir, cache)
+                tfds.display_progress_bar(sys.stderr.isatty())
                 builder.download_and_prepare()
                 log.info("token cache built in %.0f s", time.time() - start)
-    return Path(builder.data_dir)
+    return cache
 
 
 @contextlib.contextmanager

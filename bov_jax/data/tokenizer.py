@@ -45,6 +45,10 @@ SPECIALS = (
     "<|output_end|>",
 )
 _MAX_LINE_BYTES = 4096
+# The reference's tokenizer budget (tok_train, spec 6.1): documents cropped to 10,000
+# characters, reading stops after 2B characters of the train shards.
+REFERENCE_DOC_CHARS = 10_000
+REFERENCE_MAX_CHARS = 2_000_000_000
 
 
 class Tokenizer:
@@ -144,8 +148,14 @@ def load_tokenizer(
     return tokenizer
 
 
-def _training_lines(files: list[Path]) -> Iterator[str]:
-    """Non-empty lines of every document; lines over 4 kB are cut at spaces into pieces."""
+def _training_lines(files: list[Path], doc_chars: int = 0, max_chars: int = 0) -> Iterator[str]:
+    """Non-empty lines of every document; lines over 4 kB are cut at spaces into pieces.
+
+    With `doc_chars` > 0 each document is cropped to its first `doc_chars` characters, and
+    with `max_chars` > 0 reading stops once more than `max_chars` characters were read (the
+    reference's tok_train: 10,000 and 2,000,000,000, spec 6.1).
+    """
+    read = 0
     for path in files:
         parquet = pq.ParquetFile(path)
         for rg in range(parquet.num_row_groups):
@@ -153,6 +163,10 @@ def _training_lines(files: list[Path]) -> Iterator[str]:
                 shards.read_raw(parquet, rg), f"{path}: row group {rg}", True
             )
             for text in texts:
+                if max_chars and read > max_chars:
+                    return
+                text = text[:doc_chars] if doc_chars else text
+                read += len(text)
                 for line in text.split("\n"):
                     while len(line) > _MAX_LINE_BYTES:
                         cut = line.rfind(" ", 0, _MAX_LINE_BYTES)
@@ -171,10 +185,14 @@ def train_tokenizer(
     input_sentence_size: int = 300_000,
     num_threads: int = 2,
     seed: int = 0,
+    doc_chars: int = 0,
+    max_chars: int = 0,
 ) -> Path:
     """Trains a BPE model on the train shards of `data_dir`; writes the model and its config.
 
     Returns the model path. `vocab_size` counts every id (specials, <unk>, bytes, merges).
+    `doc_chars` / `max_chars` (0: no limit) crop each document and bound the characters read,
+    in file order (REFERENCE_DOC_CHARS / REFERENCE_MAX_CHARS are the reference's budget).
     """
     if vocab_size % 64:
         raise DataError(f"tokenizer vocab size {vocab_size} is not a multiple of 64")
@@ -208,7 +226,7 @@ def train_tokenizer(
     spm.set_random_generator_seed(seed)
     with (out_dir / MODEL_FILE).open("wb") as model_writer:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(files),
+            sentence_iterator=_training_lines(files, doc_chars, max_chars),
             model_writer=model_writer,
             minloglevel=2,
             **{k: v for k, v in options.items() if k != "random_seed"},
@@ -217,6 +235,8 @@ def train_tokenizer(
         sentencepiece_version=spm.__version__,
         data_dir=str(data_dir),
         train_files=[p.name for p in files],
+        doc_chars=doc_chars,
+        max_chars=max_chars,
         train_seconds=round(time.time() - start, 1),
         options=options,
     )
@@ -236,6 +256,18 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "train: output directory (default: DATA_DIR/tokenizer).")
     flags.DEFINE_integer("input_sentence_size", 300_000, "train: sentences sampled for training.")
     flags.DEFINE_integer("threads", 2, "train: training threads.")
+    flags.DEFINE_integer(
+        "doc_chars",
+        0,
+        f"train: crop each document to this many characters (0: whole; reference "
+        f"{REFERENCE_DOC_CHARS}).",
+    )
+    flags.DEFINE_integer(
+        "max_chars",
+        0,
+        f"train: stop reading after this many characters (0: all; reference "
+        f"{REFERENCE_MAX_CHARS}).",
+    )
     for name in ("data_dir", "vocab_size", "input_sentence_size"):
         flags.DEFINE_alias(name.replace("_", "-"), name)
 
@@ -253,6 +285,8 @@ def main(argv: list[str]) -> None:
         Path(args.out or Path(args.data_dir) / "tokenizer"),
         input_sentence_size=args.input_sentence_size,
         num_threads=args.threads,
+        doc_chars=args.doc_chars,
+        max_chars=args.max_chars,
     )
 
 

@@ -297,6 +297,7 @@ class Checkpoints:
         self.directory = Path(workdir).absolute() / "checkpoints"
         self.async_save = async_save
         self._saving: int | None = None
+        self._save_started = 0.0
         # Always asynchronous underneath, so that the manifest callback runs before the
         # atomic rename; a synchronous save waits for it.
         options = ocp.CheckpointManagerOptions(
@@ -332,7 +333,13 @@ class Checkpoints:
                 f"refusing to save step {step}: the state holds non-finite values; "
                 f"the latest checkpoint ({self.latest_step()}) is kept"
             )
-        self._saving = step
+        self._saving, self._save_started = step, time.monotonic()
+        log.info(
+            "saving checkpoint %d to %s%s",
+            step,
+            self.step_dir(step),
+            " (in the background)" if self.async_save else "",
+        )
         try:
             self.manager.save(
                 step,
@@ -495,6 +502,8 @@ class Checkpoints:
             raise self.save_error(step, err) from err
         finally:
             self._saving = None
+        if step is not None:
+            log.info("checkpoint %d saved (%.1f s)", step, time.monotonic() - self._save_started)
 
     def close(self) -> None:
         """Release the manager (a failed save was already reported by `wait`)."""

@@ -11,6 +11,22 @@ from bov_jax import sharding
 from bov_jax.accounting import TrainingPlan
 
 
+def divisibility_fix(tokens: int, seq_len: int, batch_devices: int, device_batch: int) -> str:
+    """The override that makes a step of `tokens` split into micro-batches: the largest
+    train.device_batch_size below `device_batch` that divides each device's rows, or a
+    train.total_batch_tokens that gives every device whole rows."""
+    rows, remainder = divmod(tokens, seq_len * batch_devices)  # rows per device per step
+    if remainder == 0 and rows > 0:
+        size = max(d for d in range(1, min(device_batch, rows) + 1) if rows % d == 0)
+        return f"pass --config.train.device_batch_size={size} ({rows} rows per device per step)"
+    multiple = seq_len * batch_devices
+    nearest = max(multiple, round(tokens / multiple) * multiple)
+    return (
+        f"pass --config.train.total_batch_tokens={nearest} (a multiple of {multiple}: whole rows "
+        "on every batch device)"
+    )
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """How the configured batch is split: steps x micro-batches x devices x rows."""
@@ -31,7 +47,8 @@ class BatchLayout:
             raise ValueError(
                 f"train.total_batch_tokens={tokens} is not a multiple of train.device_batch_size"
                 f"={config.train.device_batch_size} x {batch_devices} batch devices x "
-                f"model.seq_len={seq_len} = {micro_rows * seq_len} tokens per micro-batch"
+                f"model.seq_len={seq_len} = {micro_rows * seq_len} tokens per micro-batch; "
+                + divisibility_fix(tokens, seq_len, batch_devices, config.train.device_batch_size)
             )
         rows = tokens // seq_len
         processes = jax.process_count()

@@ -4,8 +4,9 @@ Read top to bottom: `run` validates everything, builds the mesh, state and data,
 the latest checkpoint if the workdir has one (or takes the parameters of another run's
 checkpoint, `checkpoint.init_params_from`), and hands over to `Trainer.train`. Evaluation runs
 at step 0, every `train.eval_every` steps and at the end (val BPB on a fixed token budget from
-fresh validation iterators, as the reference does); checkpoints at `checkpoint.save_every`, at
-the end, when `train.stop_after_steps` is reached and on SIGTERM/SIGINT.
+a fresh validation iterator, as the reference does, on the same tokens whatever the device
+layout); checkpoints at `checkpoint.save_every`, at the end, when `train.stop_after_steps` is
+reached and on SIGTERM/SIGINT.
 
 A resumed run is the same run: the checkpoint restores parameters, optimizer state, step, RNG
 and the position of every data stream, and metrics.jsonl is cut back to the restored step so
@@ -37,11 +38,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bov_jax import sharding
-from bov_jax.accounting import TrainingPlan, training_plan
+from bov_jax.accounting import TrainingPlan, evaluation_cost, training_plan
 from bov_jax.config import config_errors, validate_config
 from bov_jax.data.config import tokenizer_path, validate_data_config
 from bov_jax.data.identity import data_fingerprint
-from bov_jax.data.pipeline import make_batch_iterator
+from bov_jax.data.pipeline import make_batch_iterator, val_batches
 from bov_jax.data.token_cache import ensure_cache
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.data.unigram import unigram_bpb
@@ -50,7 +51,7 @@ from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.files import check_writable, write_json_atomic, write_text_atomic
 from bov_jax.model.gpt import learned_coefficients
 from bov_jax.model.spec import resolve_auto
-from bov_jax.train import schedules
+from bov_jax.train import run_record, schedules
 from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
@@ -284,16 +285,21 @@ class Trainer:
         return state
 
     def evaluate(self, params: dict) -> float:
-        """Val BPB over `train.eval_tokens` (at least one batch) from fresh val iterators."""
-        micro_tokens = self.layout.micro_rows * self.config.model.seq_len
-        steps = max(1, self.config.train.eval_tokens // micro_tokens)
-        val = DataStreams(
-            self.config, "val", self.streams, self.layout.eval_rows_per_process, self.tokenizer
-        )
+        """Val BPB over the first max(1, train.eval_tokens // seq_len) rows of the val split's
+        one stream (`val_batches`): the same rows whatever the processes, mesh and rows per
+        device. Every process reads them in global micro-batches and keeps its share; rows
+        past the budget in the last micro-batch get targets -1, which count neither nats nor
+        bytes."""
+        rows = max(1, self.config.train.eval_tokens // self.config.model.seq_len)
+        micro, share = self.layout.micro_rows, self.layout.eval_rows_per_process
+        first = jax.process_index() * share
+        val = val_batches(self.config, self.tokenizer, micro)
         nats = nbytes = 0.0
         try:
-            for _ in range(steps):
-                local = {k: v[0] for k, v in val.next_local(1).items()}
+            for start in range(0, rows, micro):
+                local = {k: v[first : first + share] for k, v in next(val).items()}
+                counted = start + first + np.arange(share) < rows
+                local["targets"] = np.where(counted[:, None], local["targets"], -1)
                 batch = sharding.global_batch(local, self.mesh)
                 step_nats, step_bytes = self.eval_step(params, batch, self.token_bytes)
                 nats, nbytes = nats + float(step_nats), nbytes + float(step_bytes)
@@ -500,6 +506,7 @@ def train_in(workdir: Path, trainer: Trainer) -> dict[str, Any]:
         state = trainer.restore_or_initialize()
         if jax.process_index() == 0:  # only now: a mismatching checkpoint keeps its config
             write_json_atomic(workdir / "config.json", trainer.config_dict)
+            run_record.append_invocation(workdir, run_record.invocation(int(state.step)))
             truncate_metrics(workdir / "metrics.jsonl", int(state.step))
         metrics = MetricsWriter(workdir, int(state.step))
         try:
@@ -532,6 +539,35 @@ def recorded_config(config: Any, streams: int) -> dict[str, Any]:
     return recorded
 
 
+def log_setup(config_dict: dict[str, Any], workdir: Path) -> None:
+    """What runs where: backend, devices, processes, dtypes, attention, and the run's files."""
+    d, model = run_record.device_summary(), config_dict["model"]
+    m = {key: resolve_auto(key, value) for key, value in model.items() if isinstance(value, str)}
+    log.info(
+        "backend %s: %d x %s (%d per process), %d process(es)",
+        d["backend"],
+        d["device_count"],
+        d["device_kind"],
+        d["local_device_count"],
+        d["process_count"],
+    )
+    log.info(
+        "dtypes: compute %s, params %s, tables %s; attention %s",
+        m["compute_dtype"],
+        m["param_dtype"],
+        m["table_dtype"],
+        m["attention_impl"],
+    )
+    every = config_dict["checkpoint"]["save_every"]
+    log.info(
+        "workdir %s: metrics.jsonl and tensorboard/ (tensorboard --logdir %s), checkpoints/ "
+        "(%s and at the end), config.json, run.json",
+        workdir.absolute(),
+        workdir.absolute() / "tensorboard",
+        f"every {every} steps" if every else "only",
+    )
+
+
 def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     """Train (or resume) the configured run in `workdir`; returns the final metrics."""
     workdir = Path(workdir)
@@ -549,7 +585,16 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     prepare_token_cache(config.data, tokenizer)
     is_main = jax.process_index() == 0
     config_dict = recorded_config(config, streams)
+    log_setup(config_dict, workdir)
     log.info("plan: %s", json.dumps(plan.summary()))
+    cost = evaluation_cost(config, plan)
+    log.info(
+        "val BPB: %d evals of %d tokens (every %d steps): +%.1f%% of the training compute",
+        cost["evals"],
+        cost["tokens_per_eval"],
+        cost["eval_every"],
+        100 * cost["compute_share"],
+    )
     log.info(
         "mesh %s; %d micro-batches of %d rows per step; %d data streams",
         dict(mesh.shape),

@@ -4,6 +4,7 @@
       --override=data.data_dir=$CLIMBMIX --launcher=slurm|tpu
 """
 
+from bov_jax.presets import PAPER_EVAL_EVERY
 from bov_jax.sweep.jobs import Run, Sweep
 
 # (preset, the paper's val BPB, the paper's CORE)
@@ -24,7 +25,8 @@ def get_sweep() -> Sweep:
         layout="d24",
         baseline="d24",
         seeds=1,
-        overrides={"train.target_flops": 3.91e19},
+        # d24 and d24_bov default to the 100B horizon's sparser evals: the authors' cadence
+        overrides={"train.target_flops": 3.91e19, "train.eval_every": PAPER_EVAL_EVERY},
         runs=tuple(
             Run(preset, f"configs/ablations.py:{preset}", paper=dict(val_bpb=bpb, core=core))
             for preset, bpb, core in ROWS
