@@ -157,6 +157,9 @@ def default_config() -> ml_collections.ConfigDict:
     ck.keep = 2
     ck.async_save = True
     ck.fallback = False  # resume from the previous checkpoint if the latest one is damaged
+    # Start from step 0 in a workdir whose checkpoints were all moved aside as damaged (refused
+    # otherwise); the earlier metrics.jsonl is kept beside.
+    ck.start_over = False
     # A workdir or step directory to take the parameters from (fine-tuning; optimizer, step and
     # data start fresh). Used only while this workdir has no checkpoint of its own.
     ck.init_params_from = ""

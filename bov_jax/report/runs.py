@@ -115,13 +115,13 @@ def read_eval_records(path: Path, problems: list[str]) -> list[dict[str, Any]]:
         return []
     by_step: dict[int, dict[str, Any]] = {}
     bad, non_finite = 0, []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8"))
             step, bpb = int(record["step"]), float(record["val_bpb"])
         except KeyError:
             continue  # a training record without an eval
-        except (ValueError, TypeError):
+        except (ValueError, TypeError):  # not UTF-8, not JSON, not a number
             bad += 1
             continue
         if math.isfinite(bpb):
@@ -194,22 +194,25 @@ def sweep_from_file(root: Path) -> Sweep:
     path = root / "sweep.json"
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
-        runs = []
+        planned = []
         for entry in spec["runs"]:
             workdirs = {int(k): v for k, v in entry.get("workdirs", {}).items()}
             seeds = workdirs or {int(s): f"{entry['name']}/seed{s}" for s in spec.get("seeds", [])}
             run = Run(entry["name"], entry.get("config", ""), entry.get("paper") or {})
-            for seed, rel in sorted(seeds.items()):
-                if (root / rel).is_dir():
-                    run.seeds[seed] = read_seed_run(root / rel, seed)
-                else:
-                    run.missing_seeds.append(seed)
-            runs.append(run)
+            planned.append((run, sorted((seed, root / rel) for seed, rel in seeds.items())))
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise UserError(
             f"{path}: not a sweep description ({type(err).__name__}: {err}); expected "
             '{"sweep", "layout", "baseline", "seeds", "runs": [{"name", ...}]}'
         ) from err
+    runs = []
+    for run, seeds in planned:  # a run's own files are the run's problems, not sweep.json's
+        for seed, workdir in seeds:
+            if workdir.is_dir():
+                run.seeds[seed] = read_seed_run(workdir, seed)
+            else:
+                run.missing_seeds.append(seed)
+        runs.append(run)
     return Sweep(
         root=root,
         name=spec.get("sweep", root.name),
