@@ -314,3 +314,55 @@ def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tm
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(STEPS + 1))
     assert all(np.isfinite(r["loss"]) for r in records[:STEPS])
+
+
+def test_fallback_that_moved_every_checkpoint_is_not_a_fresh_start(copy_of):
+    """Every checkpoint damaged: the fallback moves them aside and stops; a plain rerun is then
+    refused (not a silent start from step 0 over the run's records) until start_over."""
+    for step in (2, 4):
+        victim = largest_state_file(copy_of / "checkpoints" / str(step))
+        victim.write_bytes(victim.read_bytes()[:-10])
+    records = (copy_of / "metrics.jsonl").read_text()
+    config = tiny_config()
+    config.checkpoint.fallback = True
+    with pytest.raises(CheckpointError, match=r"no earlier checkpoint.*4\.corrupt-.*2\.corrupt-"):
+        loop.run(config, copy_of)
+    with pytest.raises(loop.NoUsableCheckpointError, match=r"start_over=True") as err:
+        loop.run(tiny_config(), copy_of)
+    assert err.value.exit_status == 1 and "4.corrupt-" in str(err.value)
+    assert (copy_of / "metrics.jsonl").read_text() == records
+    config = tiny_config(num_steps=2)
+    config.checkpoint.start_over = True
+    assert loop.run(config, copy_of)["step"] == 2
+    assert [p.read_text() for p in copy_of.glob("metrics.before-*.jsonl")] == [records]
+    assert [r["step"] for r in metrics(copy_of)] == [0, 1, 2]
+
+
+def test_rerun_of_a_run_stopped_before_its_first_save_keeps_its_metrics(tmp_path):
+    """The workdir of a run that stopped (crashed, diverged) before its first checkpoint: the
+    rerun starts from step 0, says so, and keeps the earlier records beside."""
+    records = "".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in range(3))
+    (tmp_path / "metrics.jsonl").write_text(records)
+    loop.run(tiny_config(num_steps=2), tmp_path)
+    assert [p.read_text() for p in tmp_path.glob("metrics.before-*.jsonl")] == [records]
+    assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
+
+
+def test_changed_width_is_another_experiment_even_when_allowed(copy_of):
+    """A state of other shapes is never a damaged checkpoint: allow_changes refuses the key,
+    and the shape check (from the saved metadata) would stop it anyway; nothing moves."""
+    config = tiny_config()
+    config.model.model_dim = 192
+    config.checkpoint.update(allow_changes="model.model_dim", fallback=True)
+    with pytest.raises(ConfigMismatchError, match="cannot accept model.model_dim") as err:
+        loop.run(config, copy_of)
+    assert err.value.exit_status == 1
+    assert checkpoint_steps(copy_of) == [2, 4] and not list(copy_of.glob("checkpoints/*corrupt*"))
+    checkpoints = Checkpoints(copy_of, keep=5, async_save=False)
+    _, wider, _, _ = create_train_state(
+        config, training_plan(config), sharding.make_mesh(config.mesh)
+    )
+    with pytest.raises(ConfigMismatchError, match=r"wte/embedding: \(8192, 128\) -> \(8192, 192\)"):
+        checkpoints.restore(4, wider)
+    checkpoints.close()
+    assert checkpoint_steps(copy_of) == [2, 4]
