@@ -99,10 +99,10 @@ class _TensorRecord:
         if 0 in self.size:
             return np.zeros(self.size, self.storage.dtype)
         itemsize = self.storage.dtype.itemsize
+        # The stride of a dimension of size 1 is never used (and may be anything).
+        strides = tuple(s * itemsize if n > 1 else 0 for n, s in zip(self.size, self.stride))
         view = np.lib.stride_tricks.as_strided(
-            self.storage[self.offset :],
-            shape=self.size,
-            strides=tuple(s * itemsize for s in self.stride),
+            self.storage[self.offset :], shape=self.size, strides=strides
         )
         return np.array(view)
 
