@@ -10,6 +10,7 @@ fails in the background stops the run at once with the earlier checkpoints intac
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -28,12 +29,15 @@ from bov_jax.config import default_config, validate_config
 from bov_jax.data import shards
 from bov_jax.data.config import EMBEDDED_DIR
 from bov_jax.errors import ConfigError
+from bov_jax.train import workdir_lock
 from bov_jax.train.checkpoint import (
+    CheckpointError,
     Checkpoints,
     DataStateError,
     experiment_differences,
     verify_manifest,
 )
+from bov_jax.train.loop import truncate_metrics
 from bov_jax.train.state import TrainState
 
 NO_CACHE = "--config.data.use_cache=False"  # copied data dirs: no token cache to build
@@ -168,6 +172,47 @@ def test_changed_data_is_refused_by_name_and_no_checkpoint_moves(
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
+def test_other_width_with_allow_changes_and_fallback_keeps_every_checkpoint(
+    trained_on_a_copy, tmp_path
+):
+    """The remedy of a mismatch error taken too far: another width is another experiment
+    (exit 1, in one error), not a damaged checkpoint to move aside."""
+    data, workdir = trained_on_a_copy
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    status, stderr = resume_on(
+        data,
+        run,
+        "--config.model.model_dim=192",
+        "--config.checkpoint.allow_changes=model.model_dim",
+        "--config.checkpoint.fallback=True",
+    )
+    message = assert_one_line(stderr)
+    assert status == 1 and "written by a different experiment" in message
+    assert "model.model_dim: 128 -> 192" in stderr and "cannot accept model.model_dim" in stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_damaged_checkpoint_without_manifest_is_named_in_one_line(tmp_path):
+    """A checkpoint from before manifests, its array file cut short: Orbax's error (a whole
+    TensorStore spec) is cut to its first line; it counts as damage, so fallback may act."""
+    state = TrainState(jnp.int32(2), {"w": jnp.arange(4096.0)}, {}, jax.random.key(0))
+    streams = SimpleNamespace(count=1, iterators={0: Position(100)})
+    checkpoints = Checkpoints(tmp_path, keep=2, async_save=False)
+    checkpoints.save(2, state, streams, {})
+    step_dir = tmp_path / "checkpoints" / "2"
+    (step_dir / "bov_manifest.json").unlink()
+    victim = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=os.path.getsize)
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as err:
+        checkpoints.restore_latest(state, streams, {})
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 600 and message.startswith("checkpoint at step 2")
+    assert err.value.damaged and "no manifest to check it by" in message
+    checkpoints.close()
+
+
 class Position:
     """A data iterator stand-in: its state, and a set_state that refuses what does not fit."""
 
@@ -295,3 +340,27 @@ def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tmp_path):
     assert checkpoint_steps(tmp_path) == [1]
     verify_manifest(tmp_path / "checkpoints" / "1", 1)
     assert [r["step"] for r in metrics(tmp_path)][-1] <= 3  # within a step of the save
+
+
+def test_metrics_line_that_is_not_utf8_is_dropped_on_resume(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 0, "loss": 9.0}\n{"step": 1, "note": "\xff"}\n{"step": 2}\n')
+    with caplog.at_level(logging.WARNING, logger="bov_jax"):
+        truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 0, "loss": 9.0}\n'
+    assert "dropped 1 unreadable line(s)" in caplog.text
+
+
+def test_second_run_on_a_workdir_stops_naming_the_first(tmp_path, caplog):
+    with workdir_lock.hold(tmp_path):
+        status, stderr = run_failing(tmp_path)
+    message = assert_one_line(stderr)
+    assert status == 1 and "in use by another run" in message and f"PID {os.getpid()}" in message
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+    # The lock file of a run that crashed (its flock gone with it) is taken over, with a warning.
+    (tmp_path / "run.lock").write_text('{"host": "h", "pid": 1, "started": "then"}')
+    with caplog.at_level(logging.WARNING, logger="bov_jax"), workdir_lock.hold(tmp_path):
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+        assert workdir_lock.holder(tmp_path).startswith("host ")
+    assert "taking over" in caplog.text and "PID 1, started then" in caplog.text
+    assert workdir_lock.holder(tmp_path) is None and (tmp_path / "run.lock").read_text() == ""

@@ -647,10 +647,18 @@ def source_step_dir(source: str | Path) -> Path:
     return directory / str(steps[-1])
 
 
+def stored_shape(leaf: Any) -> tuple[int, ...]:
+    """The shape a leaf is saved with: a typed PRNG key is saved as its key data."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
+    return tuple(leaf.shape)
+
+
 def leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """{'params/blocks/0/...': shape} (saved dict keys are strings, ours may be ints)."""
     return {
-        jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+        jax.tree_util.keystr(path, simple=True, separator="/"): stored_shape(leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
     }
 

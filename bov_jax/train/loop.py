@@ -51,7 +51,7 @@ from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.files import check_writable, write_json_atomic, write_text_atomic
 from bov_jax.model.gpt import learned_coefficients
 from bov_jax.model.spec import resolve_auto
-from bov_jax.train import schedules
+from bov_jax.train import schedules, workdir_lock
 from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
@@ -572,10 +572,19 @@ def recorded_config(config: Any, streams: int) -> dict[str, Any]:
 
 
 def run(config: Any, workdir: str | Path) -> dict[str, Any]:
-    """Train (or resume) the configured run in `workdir`; returns the final metrics."""
+    """Train (or resume) the configured run in `workdir`; returns the final metrics.
+
+    Process 0 holds the workdir's lock throughout: a second run on it stops at once.
+    """
     workdir = Path(workdir)
     validate_config(config)
     ensure_writable(workdir)
+    with workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+        return run_in(config, workdir)
+
+
+def run_in(config: Any, workdir: Path) -> dict[str, Any]:
+    """`run` once the workdir is checked and held."""
     plan = training_plan(config)
     with config_errors():
         mesh = sharding.make_mesh(config.mesh)
