@@ -21,18 +21,21 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from test_resume import REPO, STEPS, checkpoint_steps, environment, main_args, metrics, run_main
 
 from bov_jax.config import default_config, validate_config
-from bov_jax.data import shards
+from bov_jax.data import identity, shards
 from bov_jax.data.config import EMBEDDED_DIR
+from bov_jax.data.identity import data_fingerprint
 from bov_jax.errors import ConfigError
 from bov_jax.train import workdir_lock
 from bov_jax.train.checkpoint import (
     CheckpointError,
     Checkpoints,
+    DataChangedError,
     DataStateError,
     experiment_differences,
     verify_manifest,
@@ -211,6 +214,52 @@ def test_damaged_checkpoint_without_manifest_is_named_in_one_line(tmp_path):
     assert "\n" not in message and len(message) < 600 and message.startswith("checkpoint at step 2")
     assert err.value.damaged and "no manifest to check it by" in message
     checkpoints.close()
+
+
+def test_in_place_edit_of_a_large_shard_is_refused_on_resume(tmp_path):
+    """A shard over 8 MiB (every ClimbMix shard is) with bytes of its documents rewritten in
+    place, size and parquet footer unchanged: its whole-content digest differs."""
+    data = tmp_path / "data"
+    shutil.copytree(EMBEDDED_DIR / "tokenizer", data / "tokenizer")
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
+    texts = [rng.choice(letters, 1 << 20).tobytes().decode() for _ in range(16)]
+    shards.write_shard(data / "shard_00000.parquet", texts, ["big"] * 16, row_group_size=4)
+    shutil.copy(EMBEDDED_DIR / "shard_00004.parquet", data / "shard_00001.parquet")
+    big = data / "shard_00000.parquet"
+    assert big.stat().st_size > 8 << 20
+    data_cfg = SimpleNamespace(data_dir=str(data), tokenizer_dir="")
+    saved = data_fingerprint(data_cfg)
+    config = {"data": {"data_dir": str(data), "tokenizer_dir": ""}, "data_files": saved}
+    checkpoints = Checkpoints(tmp_path / "run", keep=1)
+    # A checkpoint of an older version named the large shard by its footer: still resumes.
+    legacy = {**saved, big.name: {**saved[big.name], "sha256": identity.footer_digest(big)}}
+    checkpoints.check_data(2, {"data_files": legacy}, config)
+    with open(big, "r+b") as f:  # inside the first row group's text: not the footer
+        f.seek(1 << 20)
+        original = f.read(64)
+        f.seek(1 << 20)
+        f.write(bytes(reversed(original)))
+    config["data_files"] = data_fingerprint(data_cfg)
+    with pytest.raises(DataChangedError, match="shard_00000.parquet: same size, other content"):
+        checkpoints.check_data(2, {"data_files": saved}, config)
+    checkpoints.close()
+
+
+def test_digests_are_cached_by_path_size_mtime_and_inode(tmp_path, monkeypatch):
+    shard, cache = tmp_path / "shard.parquet", tmp_path / "digests.json"
+    shard.write_bytes(b"x" * 1000)
+    os.utime(shard, (1e9, 1e9))  # long settled
+    first = identity.content_digests([shard], cache)
+    opened = []
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k)
+    )
+    assert identity.content_digests([shard], cache) == first and opened == []
+    shard.write_bytes(b"y" * 1000)  # same size, new mtime (too recent to cache yet)
+    assert identity.content_digests([shard], cache)[shard] != first[shard] and opened == [shard]
+    monkeypatch.undo()
 
 
 class Position:

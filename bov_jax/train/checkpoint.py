@@ -44,12 +44,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bov_jax.data.identity import changed_files
+from bov_jax.data.identity import as_recorded, changed_files, data_files
 from bov_jax.errors import UserError
 from bov_jax.train.state import TrainState, all_finite
 
@@ -586,7 +587,9 @@ class Checkpoints:
         if DATA_FILES not in saved or DATA_FILES not in config:
             log.warning("checkpoint %d records no data fingerprint: data not compared", step)
             return
-        changes = changed_files(saved[DATA_FILES], config[DATA_FILES])
+        files = data_files(ml_collections.ConfigDict(config["data"]))
+        current = as_recorded(saved[DATA_FILES], config[DATA_FILES], files)
+        changes = changed_files(saved[DATA_FILES], current)
         if changes:
             raise DataChangedError(
                 f"the data in {config['data']['data_dir']} is not the data of checkpoint "
