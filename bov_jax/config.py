@@ -310,12 +310,14 @@ class Range:
             return True
         if self.integer and not isinstance(value, int):
             return False
+        if not math.isfinite(value):  # inf passes `<= inf`; NaN fails every comparison anyway
+            return False
         above = value > self.low if self.open_low else value >= self.low
         below = value < self.high if self.open_high else value <= self.high
         return above and below  # False for NaN
 
     def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
+        kind = "an integer" if self.integer else "a finite number"
         low = f"{'>' if self.open_low else '>='} {self.low:g}"
         high = (
             "" if self.high == math.inf else f" and {'<' if self.open_high else '<='} {self.high:g}"

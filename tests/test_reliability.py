@@ -311,6 +311,7 @@ def test_auto_choices_are_compared_resolved():
         ("train.stop_after_steps", 0),
         ("model.model_dim", -64),
         ("optim.matrix_lr", math.nan),
+        ("optim.matrix_lr", math.inf),
         ("optim.warmdown_ratio", 1.5),
         ("optim.embedding_betas", (0.8, 1.0)),
     ],
@@ -334,6 +335,19 @@ def test_out_of_range_values_are_refused_naming_the_key(key, value):
 def test_bad_flags_end_in_one_line(tmp_path, flag, expected):
     status, stderr = run_failing(tmp_path, flag)
     assert status == 2 and expected in assert_one_line(stderr)
+
+
+def test_core_without_workdir_names_the_workdir(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "bov_jax.evals.core", f"--workdir={tmp_path / 'nope'}"]
+        + [f"--bundle_dir={tmp_path / 'no_bundle'}"],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and f"{tmp_path / 'nope'}" in assert_one_line(done.stderr)
 
 
 def test_unwritable_workdir_is_one_line(tmp_path):

@@ -368,7 +368,7 @@ class Trainer:
             kept = (
                 "no checkpoint yet"
                 if latest is None
-                else f"the last good state is checkpoint {self.checkpoints.step_dir(latest)}"
+                else f"the latest checkpoint is {self.checkpoints.step_dir(latest)}"
                 ", where a rerun continues"
             )
             raise NonFiniteLossError(
