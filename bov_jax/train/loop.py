@@ -102,8 +102,8 @@ def keep_earlier_metrics(workdir: Path) -> None:
     kept = workdir / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     path.rename(kept)
     log.warning(
-        "%s has no checkpoint (the run stopped before its first save): starting from step 0; "
-        "the earlier records are kept in %s",
+        "%s has no checkpoint (its run stopped before its first save, or starts over): "
+        "starting from step 0; the earlier records are kept in %s",
         workdir,
         kept,
     )
