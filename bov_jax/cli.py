@@ -150,9 +150,10 @@ def parse_flags(
         raise UserError(f"{message} (--help lists the flags)") from err
     except (OSError, KeyError, AttributeError, TypeError, ValueError) as err:
         # ml_collections wraps a config file's own error in several layers; its last line
-        # names the cause.
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        raise UserError(f"cannot load the config: {lines[-1] if lines else err!r}") from err
+        # names the cause. A KeyError's str() is the repr of its message: take the message.
+        text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        raise UserError(f"cannot load the config: {lines[-1] if lines else repr(err)}") from err
 
 
 def guarded(call: Callable[..., object], *args: object, debug: bool = False) -> object:

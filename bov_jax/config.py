@@ -159,6 +159,9 @@ def default_config() -> ml_collections.ConfigDict:
     ck.keep = 2
     ck.async_save = True
     ck.fallback = False  # resume from the previous checkpoint if the latest one is damaged
+    # Start from step 0 in a workdir whose checkpoints were all moved aside as damaged (refused
+    # otherwise); the earlier metrics.jsonl is kept beside.
+    ck.start_over = False
     # A workdir or step directory to take the parameters from (fine-tuning; optimizer, step and
     # data start fresh). Used only while this workdir has no checkpoint of its own.
     ck.init_params_from = ""
@@ -312,12 +315,14 @@ class Range:
             return True
         if self.integer and not isinstance(value, int):
             return False
+        if not math.isfinite(value):  # inf passes `<= inf`; NaN fails every comparison anyway
+            return False
         above = value > self.low if self.open_low else value >= self.low
         below = value < self.high if self.open_high else value <= self.high
         return above and below  # False for NaN
 
     def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
+        kind = "an integer" if self.integer else "a finite number"
         low = f"{'>' if self.open_low else '>='} {self.low:g}"
         high = (
             "" if self.high == math.inf else f" and {'<' if self.open_high else '<='} {self.high:g}"

@@ -3,6 +3,7 @@
 Every file this project writes for a user to keep (config.json, status.json, eval results,
 reports, figures, exported checkpoints, data shards) goes through `atomic_file`: readers see
 the old file or the new one, never a part, and a failed write leaves the old one untouched.
+A directory made in one go (an imported workdir) goes through `atomic_directory`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ def current_umask() -> int:
 
 
 FILE_MODE = 0o666 & ~current_umask()  # what open() gives a new file, read once at import
+DIR_MODE = 0o777 & ~current_umask()  # what mkdir() gives a new directory
 
 
 @contextlib.contextmanager
@@ -46,6 +49,25 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp.name)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields a temporary directory beside `path` to fill; on a clean exit it becomes `path`
+    in one rename (`path` must not exist, or be empty), on an exception it is removed, so a
+    failure leaves nothing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.chmod(tmp, DIR_MODE)
+        if path.is_dir():
+            path.rmdir()  # empty (OSError otherwise): a directory made ahead for us
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

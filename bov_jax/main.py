@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import jax
 from absl import flags
@@ -106,6 +107,29 @@ def configure_logging() -> None:
     log.setLevel(logging.INFO if index == 0 else logging.WARNING)
     if not cli.debug_enabled():
         logging.getLogger("absl").addFilter(drop_library_tracebacks)
+        quiet_background_writers()
+
+
+def quiet_background_writers() -> None:
+    """Keep the echoes of a failed background save off stderr (the failure itself reaches the
+    loop as an exception, which cli.run reports in one line).
+
+    When one of Orbax's asynchronous writes fails (a full disk), its event loop closes while
+    TensorStore still completes the other writes: each completion calls the closed loop and is
+    printed as an unraisable `RuntimeError: Event loop is closed`, and asyncio logs the
+    gathered futures whose exception nobody retrieved. Both are dropped (`--debug` keeps them);
+    any other unraisable error is printed as usual.
+    """
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        default(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def show_config() -> None:

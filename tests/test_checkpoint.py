@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import meshes_on_one_device
 
 from bov_jax import sharding
@@ -323,3 +324,82 @@ def test_nonfinite_step_stops_at_that_step_or_is_skipped(monkeypatch, caplog, tm
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(STEPS + 1))
     assert all(np.isfinite(r["loss"]) for r in records[:STEPS])
+
+
+def test_fallback_that_moved_every_checkpoint_is_not_a_fresh_start(copy_of):
+    """Every checkpoint damaged: the fallback moves them aside and stops; a plain rerun is then
+    refused (not a silent start from step 0 over the run's records) until start_over."""
+    for step in (2, 4):
+        victim = largest_state_file(copy_of / "checkpoints" / str(step))
+        victim.write_bytes(victim.read_bytes()[:-10])
+    records = (copy_of / "metrics.jsonl").read_text()
+    config = tiny_config()
+    config.checkpoint.fallback = True
+    with pytest.raises(CheckpointError, match=r"no earlier checkpoint.*4\.corrupt-.*2\.corrupt-"):
+        loop.run(config, copy_of)
+    with pytest.raises(loop.NoUsableCheckpointError, match=r"start_over=True") as err:
+        loop.run(tiny_config(), copy_of)
+    assert err.value.exit_status == 1 and "4.corrupt-" in str(err.value)
+    assert (copy_of / "metrics.jsonl").read_text() == records
+    config = tiny_config(num_steps=2)
+    config.checkpoint.start_over = True
+    assert loop.run(config, copy_of)["step"] == 2
+    assert [p.read_text() for p in copy_of.glob("metrics.before-*.jsonl")] == [records]
+    assert [r["step"] for r in metrics(copy_of)] == [0, 1, 2]
+
+
+def test_rerun_of_a_run_stopped_before_its_first_save_keeps_its_metrics(tmp_path):
+    """The workdir of a run that stopped (crashed, diverged) before its first checkpoint: the
+    rerun starts from step 0, says so, and keeps the earlier records beside."""
+    records = "".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in range(3))
+    (tmp_path / "metrics.jsonl").write_text(records)
+    loop.run(tiny_config(num_steps=2), tmp_path)
+    assert [p.read_text() for p in tmp_path.glob("metrics.before-*.jsonl")] == [records]
+    assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
+
+
+def test_changed_width_is_another_experiment_even_when_allowed(copy_of):
+    """A state of other shapes is never a damaged checkpoint: allow_changes refuses the key,
+    and the shape check (from the saved metadata) would stop it anyway; nothing moves."""
+    config = tiny_config()
+    config.model.model_dim = 192
+    config.checkpoint.update(allow_changes="model.model_dim", fallback=True)
+    with pytest.raises(ConfigMismatchError, match="cannot accept model.model_dim") as err:
+        loop.run(config, copy_of)
+    assert err.value.exit_status == 1
+    assert checkpoint_steps(copy_of) == [2, 4] and not list(copy_of.glob("checkpoints/*corrupt*"))
+    checkpoints = Checkpoints(copy_of, keep=5, async_save=False)
+    _, wider, _, _ = create_train_state(
+        config, training_plan(config), sharding.make_mesh(config.mesh)
+    )
+    with pytest.raises(ConfigMismatchError, match=r"wte/embedding: \(8192, 128\) -> \(8192, 192\)"):
+        checkpoints.restore(4, wider)
+    checkpoints.close()
+    assert checkpoint_steps(copy_of) == [2, 4]
+
+
+def test_export_then_import_of_a_run_is_bit_identical(trained, tmp_path):
+    """Our own run through the authors' format and back: the same weights bit for bit (fp32
+    tables stay fp32), its SentencePiece tokenizer, its val BPB in meta and on evaluation."""
+    from bov_jax.evals.bpb import evaluate_model
+    from bov_jax.evals.loading import load_checkpoint
+    from bov_jax.interop.checkpoints import export_checkpoint, import_checkpoint
+
+    model_file = export_checkpoint(trained, tmp_path / "exported")
+    meta = json.loads((tmp_path / "exported" / "meta_000004.json").read_text())
+    assert meta["val_bpb"] == metrics(trained)[-1]["val_bpb"]
+    assert (tmp_path / "exported" / "tokenizer.model").is_file()
+    assert import_checkpoint(model_file.parent, tmp_path / "imported") == 4
+    _, run_model, tokenizer, config = load_checkpoint(trained)
+    _, imported, _, imported_config = load_checkpoint(tmp_path / "imported")
+    assert imported_config.model.table_dtype == "float32"
+    run_params = nnx.to_flat_state(nnx.state(run_model, nnx.Param))
+    imported_params = dict(nnx.to_flat_state(nnx.state(imported, nnx.Param)))
+    assert len(run_params) == len(imported_params)
+    for path, value in run_params:
+        got = np.asarray(imported_params[path].get_value())
+        want = np.asarray(value.get_value())
+        assert got.dtype == want.dtype, path
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    bpb = [evaluate_model(m, tokenizer, config, 512, 2)["val_bpb"] for m in (run_model, imported)]
+    assert bpb[0] == bpb[1] and np.isfinite(bpb[0])

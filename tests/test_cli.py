@@ -138,6 +138,11 @@ def listed_flags(help_text: str) -> set[str]:
         ("bov_jax.bench", ["--steps=1"], "expected a command, one of train, data; got nothing"),
         ("bov_jax.presets", ["extra"], "unexpected arguments: extra"),
         ("bov_jax.evals.bpb", [], "--workdir must have a value"),
+        (
+            "bov_jax.main",
+            ["--config=configs/ablations.py:no_such_preset", "--workdir=unused"],
+            "cannot load the config: unknown preset 'no_such_preset'; known presets: d12,",
+        ),
     ],
 )
 def test_bad_command_lines_end_in_one_line_and_status_2(module, args, expected):

@@ -1,13 +1,15 @@
 """The grain pipeline: batches, determinism, process split, splits, checkpoints, workers."""
 
+import shutil
 import threading
 
 import grain
 import numpy as np
 import orbax.checkpoint as ocp
+import pyarrow.parquet as pq
 import pytest
 
-from bov_jax.data import pipeline, token_cache
+from bov_jax.data import pipeline, shards, token_cache
 from bov_jax.data.config import default_data_config
 from bov_jax.data.documents import split_unit
 from bov_jax.data.packing import packing_stats
@@ -216,3 +218,28 @@ def test_max_doc_tokens_splits_documents_and_crops_less(cfg):
     [next(iterator) for _ in range(30)]
     assert packing_stats(iterator).crop_fraction < whole.crop_fraction
     iterator.close()
+
+
+def test_same_size_shard_edit_rebuilds_the_cache(cfg, corpus, tmp_path):
+    """The cache is named by the shards' content: an edit that keeps the file's size and row
+    counts (one letter's case) builds a new cache, which holds the edited documents."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data, ignore=shutil.ignore_patterns("token_cache"))
+    cfg.data_dir = str(data)
+    tokenizer = load_tokenizer(pipeline.tokenizer_path(cfg))
+    before = token_cache.ensure_cache(cfg, tokenizer)
+    shard = data / "shard_00000.parquet"
+    size, table = shard.stat().st_size, pq.read_table(shard)
+    texts = table[shards.TEXT_COLUMN].to_pylist()
+    for i in range(len(texts[0])):  # the first edit of one letter that keeps the size
+        if texts[0][i].islower():
+            edited = [texts[0][:i] + texts[0][i].upper() + texts[0][i + 1 :], *texts[1:]]
+            shards.write_shard(shard, edited, table[shards.SOURCE_COLUMN].to_pylist(), 16)
+            if shard.stat().st_size == size:
+                break
+    assert shard.stat().st_size == size and pq.read_table(shard).num_rows == len(texts)
+    after = token_cache.ensure_cache(cfg, tokenizer)
+    assert after != before
+    cached = take(cfg, 20)
+    cfg.use_cache = False
+    assert same(cached, take(cfg, 20))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -303,3 +304,64 @@ def test_bad_checkpoint_directories_are_named(authors_checkpoint, tmp_path):
     with pytest.raises(UserError, match="meta.json: model_config lacks n_layer"):
         config_from_meta(meta, "float32", Path("meta.json"))
     assert checkpoint_files(authors_checkpoint, None)[0] == 7
+
+
+def strided_checkpoint(directory: Path, size: tuple[int, int], stride: tuple[int, int]) -> Path:
+    """An authors'-layout directory whose model_000001.pt holds one tensor `w` of the given
+    size and stride over a storage of 12 float32s (integers pickled as 8-byte longs)."""
+
+    def pair(values: tuple[int, int]) -> bytes:
+        return (
+            b"".join(b"\x8a\x08" + v.to_bytes(8, "little", signed=True) for v in values) + b"\x86"
+        )
+
+    payload = (
+        b"\x80\x02ccollections\nOrderedDict\n)R(X\x01\x00\x00\x00w"
+        b"ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage"
+        b"ctorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQ"
+        b"K\x00" + pair(size) + pair(stride) + b"\x89ccollections\nOrderedDict\n)RtRu."
+    )
+    directory.mkdir()
+    with zipfile.ZipFile(directory / "model_000001.pt", "w") as archive:
+        archive.writestr("model_000001/data.pkl", payload)
+        archive.writestr("model_000001/data/0", np.arange(12, dtype=np.float32).tobytes())
+        archive.writestr("model_000001/version", "3\n")
+    (directory / "meta_000001.json").write_text("{}")
+    (directory / "tokenizer.pkl").write_bytes(pickle.dumps(tiny_encoding()))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "size, stride",
+    [((4, 3), (-128, 1)), ((4, 3), (-(2**30), 1)), ((2, 12), (2**62, 1)), ((4, 3), (4, 1))],
+    ids=["negative", "far negative", "overflowing", "past the end"],
+)
+def test_strides_outside_the_storage_are_refused(tmp_path, size, stride):
+    """torch.load refuses these; reading them as given read process memory or crashed."""
+    source = strided_checkpoint(tmp_path / "authors", size, stride)
+    done = subprocess.run(
+        [sys.executable, "-m", "bov_jax.interop", "import", f"--checkpoint_dir={source}"]
+        + [f"--workdir={tmp_path / 'imported'}"],
+        cwd=REPO,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "model_000001.pt: tensor w:" in done.stderr and "not read" in done.stderr
+    assert not (tmp_path / "imported").exists()
+
+
+def test_failed_import_leaves_nothing(authors_checkpoint, tmp_path):
+    from bov_jax.errors import UserError
+    from bov_jax.interop.checkpoints import import_checkpoint
+
+    source = tmp_path / "authors"
+    shutil.copytree(authors_checkpoint, source)
+    meta = json.loads((source / "meta_000007.json").read_text())
+    meta["model_config"]["n_layer"] += 1  # the weights are one layer short
+    (source / "meta_000007.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="missing transformer.h.4"):
+        import_checkpoint(source, tmp_path / "imported")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["authors"]

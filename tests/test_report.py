@@ -290,3 +290,12 @@ def test_report_command(tmp_path):
     assert (
         bad.returncode == 2 and "error: --root=" in bad.stderr and "not a directory" in bad.stderr
     )
+
+
+def test_metrics_line_that_is_not_utf8_is_counted_not_blamed_on_sweep_json(tmp_path):
+    root = make_root(tmp_path / "root")
+    with (root / "bov" / "seed1" / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"step": 21, "note": "\xff\xfe"}\n')
+    report = write_report(load_sweep(root), root, with_kv_cache=False).read_text()
+    assert "bov seed 1" in report and "1 unreadable line(s) in metrics.jsonl" in report
+    assert "0.9833 ± 0.0764 (n=3)" in report  # the run's readable records still count

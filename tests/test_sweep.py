@@ -4,9 +4,12 @@ runs, and overrides read like --config flags."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,3 +212,85 @@ def test_dry_run_cli(tmp_path):
     ).stdout
     assert "7,809" in out and "7,998" in out
     assert not (tmp_path / "sweep.json").exists()
+
+
+# A sweep of one job whose trainer stands in for bov_jax.main: it records its PID, and on
+# SIGTERM writes `stopped` (as the trainer's checkpoint) and exits 0.
+TRAINER = """
+import os, signal, sys, time
+from pathlib import Path
+workdir = Path(sys.argv[1])
+def stop(signum, frame):
+    (workdir / "stopped").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+(workdir / "pid").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+SWEEP = """
+import sys
+from pathlib import Path
+from bov_jax.sweep import jobs
+class StandIn(jobs.Job):
+    def command(self, python=sys.executable):
+        return [python, "-c", sys.argv[2], str(self.workdir)]
+job = StandIn(jobs.Run("stand_in", "configs/quickstart.py"), 0, Path(sys.argv[1]), (), 1, 1, 1)
+print(len(jobs.run_local([job])), flush=True)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(condition, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_sweep_leaves_no_trainer_behind(tmp_path, signum):
+    """SIGTERM: forwarded to the trainer, which checkpoints; the sweep waits for it. kill -9:
+    the trainer gets SIGTERM as its parent dies (it would run on as an orphan otherwise)."""
+    workdir = tmp_path / "stand_in" / "seed0"
+    sweep = subprocess.Popen(
+        [sys.executable, "-c", SWEEP, str(workdir), TRAINER],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pid = None
+    try:
+        assert wait_for(lambda: (workdir / "pid").is_file() and (workdir / "pid").read_text())
+        pid = int((workdir / "pid").read_text())
+        sweep.send_signal(signum)
+        output = sweep.communicate(timeout=30)[0]
+        assert wait_for(lambda: not alive(pid), timeout=10), "the trainer outlived the sweep"
+        assert (workdir / "stopped").read_text() == "SIGTERM"
+        if signum == signal.SIGTERM:
+            assert "stopped by SIGTERM" in output and output.splitlines()[-1] == "1"
+    finally:
+        sweep.kill()
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_sweep_does_not_start_a_job_on_a_held_workdir(tmp_path):
+    from bov_jax.train import workdir_lock
+
+    jobs = jobs_of("table1_cpu", tmp_path, seeds=1, only=["d12"])
+    jobs[0].workdir.mkdir(parents=True)
+    lines = []
+    with workdir_lock.hold(jobs[0].workdir):
+        assert sweeps.run_local(jobs, log=lines.append) == jobs
+    assert len(lines) == 1 and f"PID {os.getpid()}" in lines[0] and "not started" in lines[0]

@@ -5,7 +5,8 @@
 One record per document, in split order (file, row group, row): `tokens` holds the document's
 ids with BOS first, or nothing when the document was skipped as bad. TFDS builds it offline and
 without TensorFlow. The cache lives in `<cache_dir>/<fingerprint>/`; the fingerprint covers the
-tokenizer, the shard files and the skip switch, so a changed input never reads a stale cache.
+tokenizer, the shards' content (sha256, bov_jax/data/identity.py) and the skip switch, so a
+changed input never reads a stale cache.
 The tokenizer defaults to DATA_DIR/tokenizer and the cache directory to DATA_DIR/token_cache;
 processes that start together (a sweep's jobs, the processes of a host) build it once: the first
 takes a file lock beside the cache and the others wait for it.
@@ -30,6 +31,7 @@ from bov_jax import cli
 from bov_jax.data import shards
 from bov_jax.data.config import default_data_config, tokenizer_path
 from bov_jax.data.documents import Unit, finish_documents
+from bov_jax.data.identity import content_digests
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
 from bov_jax.errors import DataError
 from bov_jax.files import check_writable
@@ -102,11 +104,14 @@ def id_dtype(vocab_size: int) -> np.dtype:
 
 
 def fingerprint(shard_dir: Path, tokenizer: Tokenizer, skip_bad: bool) -> str:
-    """16 hex digits naming the cache of (shards, tokenizer, skip switch, cache format)."""
+    """16 hex digits naming the cache of (shards by content, tokenizer, skip switch, cache
+    format): an edited shard, even one of the same size, never reads the old cache."""
     digest = hashlib.sha256(f"{_VERSION} {tokenizer.sha256} {skip_bad}".encode())
-    for path in shards.list_shards(shard_dir):
-        info = shards.check_shard(path)
-        digest.update(f"{path.name} {path.stat().st_size} {info.row_group_rows}".encode())
+    paths = shards.list_shards(shard_dir)
+    for path in paths:
+        shards.check_shard(path)
+    for path, content in content_digests(paths).items():
+        digest.update(f"{path.name} {content}".encode())
     return digest.hexdigest()[:16]
 
 

@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 from absl import flags
 
 from bov_jax import cli
+from bov_jax.errors import UserError
 from bov_jax.evals.paper_core import format_paper_comparison
 from bov_jax.evals.progress import Progress
 from bov_jax.evals.tasks import CORE_TASKS, TASKS_BY_LABEL, CoreTask, TaskType, centered_accuracy
@@ -407,13 +407,14 @@ def main(argv: list[str]) -> None:
     args = flags.FLAGS
     cli.log_plainly(logging.WARNING)  # quiet orbax / absl
     logging.getLogger("bov_jax").setLevel(logging.INFO)
+    from bov_jax.evals.loading import load_config, load_logits_fn
+
+    load_config(args.workdir)  # the workdir first: a missing one is the first thing to fix
     if not bundle_present(args.bundle_dir):
-        sys.exit(
+        raise UserError(
             f"no CORE bundle at {args.bundle_dir}; build one with "
             f"`python -m bov_jax.evals.bundle --out {args.bundle_dir}`"
         )
-    from bov_jax.evals.loading import load_logits_fn
-
     step, tokenizer, logits_fn = load_logits_fn(args.workdir, args.step)
     results = evaluate_core(
         args.bundle_dir,

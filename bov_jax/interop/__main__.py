@@ -20,7 +20,9 @@ def define_flags() -> None:
     """The CLI's flags (defined only when run, so that importing this module defines none)."""
     flags.DEFINE_string("checkpoint_dir", None, "import: the authors' checkpoint directory")
     flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
-    flags.DEFINE_string("tokenizer", None, "import: tokenizer.pkl (default: CHECKPOINT_DIR's)")
+    flags.DEFINE_string(
+        "tokenizer", None, "import: tokenizer.pkl or .model (default: CHECKPOINT_DIR's)"
+    )
     flags.DEFINE_string("data_dir", None, "import: corpus for evals.bpb (default: embedded)")
     flags.DEFINE_string("workdir", None, "import: the workdir to create; export: the run")
     flags.DEFINE_string("out", None, "export: directory for model_*.pt, meta_*.json")

@@ -5,15 +5,19 @@
     python -m bov_jax.interop export --workdir=RUN [--step=N] --out=DIR
 
 `import` reads the authors' checkpoint directory (spec 9.2: model_{step:06d}.pt and
-meta_{step:06d}.json, with tokenizer.pkl beside them unless --tokenizer names it) without
-torch and without running anything its pickles name (bov_jax/interop/torch_format.py,
+meta_{step:06d}.json, with the tokenizer beside them unless --tokenizer names it: tokenizer.pkl,
+a pickled tiktoken Encoding as the authors write it, or tokenizer.model, a SentencePiece model)
+without torch and without running anything its pickles name (bov_jax/interop/torch_format.py,
 bov_jax/data/tiktoken_tokenizer.py). meta's model_type picks the preset (value path) and
 model_config the sizes; OUT becomes a normal workdir (config.json, an Orbax checkpoint at
-the same step with a fresh optimizer state, tokenizer/tokenizer.pkl), so evals.bpb,
-evals.core and sample run on it. The tables keep the checkpoint's dtype (model.table_dtype).
-BPB uses --data_dir's val split (default: the embedded corpus), encoded on the fly.
-`export` writes the reverse, a .pt in the same format (wte and value tables bf16, the rest
-fp32, as the reference stores them) with its meta json, and copies a tiktoken tokenizer.
+the same step with a fresh optimizer state, tokenizer/), so evals.bpb, evals.core and sample
+run on it. It is built in a temporary directory renamed to OUT at the end: a failed import
+leaves nothing. The tables keep the checkpoint's dtype (model.table_dtype). BPB uses
+--data_dir's val split (default: the embedded corpus), encoded on the fly.
+`export` writes the reverse: a .pt in the same format with every tensor in its trained dtype
+(the authors' loader casts on load), its meta json (val_bpb as the run recorded it at that
+step; user_config.bov_jax_model holds the run's whole model section, which `import` applies)
+and the run's tokenizer, so export then import gives back the same weights bit for bit.
 
 Name mapping (torch Linear weights are (out, in); Flax kernels are (in, out), so every
 `*.weight` of a Linear is transposed; embedding tables are not):
@@ -55,9 +59,11 @@ from flax import nnx
 
 from bov_jax import sharding
 from bov_jax.accounting import training_plan
-from bov_jax.data.tiktoken_tokenizer import PICKLE_FILE, load_tiktoken
-from bov_jax.errors import UserError
-from bov_jax.files import atomic_file, write_json_atomic
+from bov_jax.config import config_from_record
+from bov_jax.data.tiktoken_tokenizer import PICKLE_FILE
+from bov_jax.data.tokenizer import MODEL_FILE, load_tokenizer
+from bov_jax.errors import DataError, UserError
+from bov_jax.files import atomic_directory, atomic_file, write_json_atomic
 from bov_jax.interop.torch_format import read_state_dict, write_state_dict
 from bov_jax.model.gpt import GPT
 from bov_jax.model.spec import ModelSpec
@@ -183,7 +189,6 @@ def import_npz(model: GPT, path: str, rename: dict[str, str] | None = None) -> N
 
 _MODEL_FILE = re.compile(r"model_(\d{6,})\.pt")
 _MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")
-_TABLES = re.compile(r"transformer\.wte\.weight|value_embeds\.\d+\.weight")
 
 
 class _NoDataStreams:
@@ -258,13 +263,16 @@ def config_from_meta(meta: dict, table_dtype: str, source: Path) -> ml_collectio
     return config
 
 
-def meta_from_config(config: ml_collections.ConfigDict, step: int) -> dict:
-    """The authors' meta json (spec 9.2) for a model of this config."""
+def meta_from_config(
+    config: ml_collections.ConfigDict, step: int, val_bpb: float | None = None
+) -> dict:
+    """The authors' meta json (spec 9.2) for a model of this config; user_config carries the
+    whole model section for `import` (keys the authors' model_config has no field for)."""
     spec = ModelSpec.from_config(config.model)
     window = config.model.window_pattern
     return dict(
         step=step,
-        val_bpb=None,
+        val_bpb=val_bpb,
         model_type=reference_model_type(config),
         model_config=dict(
             sequence_len=spec.seq_len,
@@ -275,9 +283,47 @@ def meta_from_config(config: ml_collections.ConfigDict, step: int) -> dict:
             n_embd=spec.d_model,
             window_pattern=window,
         ),
-        user_config={"exported_from": "bov_jax", "name": config.name},
+        user_config={
+            "exported_from": "bov_jax",
+            "name": config.name,
+            "bov_jax_model": config.model.to_dict(),
+        },
         max_seq_len=spec.seq_len,
     )
+
+
+TOKENIZER_FORMATS = (
+    f"{PICKLE_FILE} (a pickled tiktoken Encoding, the authors' format) or {MODEL_FILE} "
+    "(a SentencePiece model, as bov_jax runs and their exports use)"
+)
+DEVICE_KEYS = ("compute_dtype", "attention_impl", "table_dtype")  # chosen here, not carried
+
+
+def find_tokenizer(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path:
+    """--tokenizer, else the tokenizer.pkl or tokenizer.model beside the checkpoint."""
+    if tokenizer:
+        candidates = [Path(tokenizer)]
+    else:
+        candidates = [checkpoint_dir / PICKLE_FILE, checkpoint_dir / MODEL_FILE]
+    found = next((path for path in candidates if path.is_file()), None)
+    if found is None or found.suffix not in (".pkl", ".model"):
+        where = candidates[0] if tokenizer else f"no tokenizer beside {checkpoint_dir}"
+        raise UserError(
+            f"{where}: import takes {TOKENIZER_FORMATS}; pass --tokenizer=PATH to one of those"
+        )
+    return found
+
+
+def config_of_export(config: ml_collections.ConfigDict, meta: dict) -> None:
+    """A bov_jax export carries its run's model keys (user_config.bov_jax_model), including
+    those the authors' meta has no field for: they are set on `config`, in place."""
+    user = meta.get("user_config")
+    carried = user.get("bov_jax_model") if isinstance(user, dict) else None
+    if not isinstance(carried, dict):
+        return
+    recorded = json.loads(config.to_json_best_effort())
+    recorded["model"].update({k: v for k, v in carried.items() if k not in DEVICE_KEYS})
+    config.model = config_from_record(recorded).model
 
 
 def import_checkpoint(
@@ -287,34 +333,37 @@ def import_checkpoint(
     tokenizer: str | Path | None = None,
     data_dir: str | Path | None = None,
 ) -> int:
-    """Turn the authors' checkpoint into a bov_jax workdir (see the module doc); its step."""
+    """Turn the authors' checkpoint (or a bov_jax export) into a bov_jax workdir (see the
+    module doc); its step. Everything is checked and written in a temporary directory that
+    becomes `workdir` at the end, so a failed import leaves nothing."""
     from bov_jax.train.checkpoint import Checkpoints
     from bov_jax.train.state import create_train_state
 
-    checkpoint_dir, workdir = Path(checkpoint_dir), Path(workdir)
+    checkpoint_dir, workdir = Path(checkpoint_dir), Path(workdir).absolute()
+    if workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
+        raise UserError(f"--workdir={workdir} exists and is not empty; import into a new one")
     step, model_file, meta_file = checkpoint_files(checkpoint_dir, step)
-    tokenizer_file = Path(tokenizer) if tokenizer else checkpoint_dir / PICKLE_FILE
-    if not tokenizer_file.is_file():
-        raise UserError(f"tokenizer {tokenizer_file} not found; pass --tokenizer=PATH")
+    tokenizer_file = find_tokenizer(checkpoint_dir, tokenizer)
     tensors = read_state_dict(model_file)
     wte = tensors.get("transformer.wte.weight")
     table_dtype = "bfloat16" if wte is not None and wte.dtype == ml_dtypes.bfloat16 else "float32"
     try:
         meta = json.loads(meta_file.read_text())
-        vocab = load_tiktoken(tokenizer_file).vocab_size
-    except ValueError as err:  # JSONDecodeError, DataError: both name their file
-        raise UserError(
-            f"{meta_file}: {err}" if isinstance(err, json.JSONDecodeError) else str(err)
-        ) from err
+    except ValueError as err:
+        raise UserError(f"{meta_file}: {err}") from err
+    try:
+        vocab = load_tokenizer(tokenizer_file).vocab_size
+    except DataError as err:
+        raise UserError(f"{err}; import takes {TOKENIZER_FORMATS}") from err
     config = config_from_meta(meta, table_dtype, meta_file)
+    config_of_export(config, meta)
     if vocab != config.model.vocab_size:
         raise UserError(
             f"tokenizer {tokenizer_file} has {vocab} tokens but {meta_file} says vocab_size "
             f"{config.model.vocab_size}"
         )
-    (workdir / "tokenizer").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(tokenizer_file, workdir / "tokenizer" / PICKLE_FILE)
-    config.data.tokenizer_dir = str((workdir / "tokenizer" / PICKLE_FILE).absolute())
+    tokenizer_name = PICKLE_FILE if tokenizer_file.suffix == ".pkl" else MODEL_FILE
+    config.data.tokenizer_dir = str(workdir / "tokenizer" / tokenizer_name)
     config.data.use_cache = False
     if data_dir:
         config.data.data_dir = str(Path(data_dir).absolute())
@@ -330,13 +379,24 @@ def import_checkpoint(
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     state = state._replace(step=jnp.asarray(step, jnp.int32), params=params)
     config_dict = json.loads(config.to_json_best_effort())
-    checkpoints = Checkpoints(workdir, keep=1, async_save=False)
-    try:
-        checkpoints.save(step, state, _NoDataStreams(), config_dict)
-    finally:
-        checkpoints.close()
-    write_json_atomic(workdir / "config.json", config_dict)
+    with atomic_directory(workdir) as building:
+        (building / "tokenizer").mkdir()
+        shutil.copyfile(tokenizer_file, building / "tokenizer" / tokenizer_name)
+        checkpoints = Checkpoints(building, keep=1, async_save=False)
+        try:
+            checkpoints.save(step, state, _NoDataStreams(), config_dict)
+        finally:
+            checkpoints.close()
+        write_json_atomic(building / "config.json", config_dict)
     return step
+
+
+def recorded_val_bpb(workdir: Path, step: int) -> float | None:
+    """The val BPB the run recorded at `step` (metrics.jsonl), if it evaluated there."""
+    from bov_jax.report.runs import read_eval_records
+
+    records = read_eval_records(workdir / "metrics.jsonl", [])
+    return next((r["val_bpb"] for r in records if r["step"] == step), None)
 
 
 def export_checkpoint(workdir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
@@ -353,15 +413,13 @@ def export_checkpoint(workdir: str | Path, out_dir: str | Path, step: int | None
         if step is None:
             raise UserError(f"{workdir} holds no checkpoint")
     model, tokenizer, config = load_model_and_tokenizer(workdir, step)
-    tensors = {
-        name: value.astype(ml_dtypes.bfloat16) if _TABLES.fullmatch(name) else value
-        for name, value in state_dict(model).items()
-    }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_file = out_dir / f"model_{step:06d}.pt"
-    write_state_dict(model_file, tensors)
-    write_json_atomic(out_dir / f"meta_{step:06d}.json", meta_from_config(config, step))
-    if Path(tokenizer.path).suffix == ".pkl":
-        shutil.copyfile(tokenizer.path, out_dir / PICKLE_FILE)
+    write_state_dict(model_file, state_dict(model))
+    meta = meta_from_config(config, step, recorded_val_bpb(Path(workdir), step))
+    write_json_atomic(out_dir / f"meta_{step:06d}.json", meta)
+    tokenizer_name = PICKLE_FILE if Path(tokenizer.path).suffix == ".pkl" else MODEL_FILE
+    with atomic_file(out_dir / tokenizer_name) as out:
+        out.write(Path(tokenizer.path).read_bytes())
     return model_file

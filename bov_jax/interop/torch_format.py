@@ -20,7 +20,9 @@ writes them) from NumPy arrays, so `torch.load` reads it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
+import math
 import pickle
 import struct
 import zipfile
@@ -62,21 +64,58 @@ class _StorageType:
         self.name, self.dtype = name, STORAGE_DTYPES[name]
 
 
+@dataclasses.dataclass(frozen=True)
+class _TensorRecord:
+    """What a pickled tensor says (storage, offset, size, stride), checked by `tensor` before
+    any view of the storage is made."""
+
+    storage: np.ndarray
+    offset: Any
+    size: Any
+    stride: Any
+
+    def problem(self) -> str | None:
+        """Why this record cannot be read safely, or None."""
+        size, stride, offset = self.size, self.stride, self.offset
+        if not all(isinstance(x, tuple) for x in (size, stride)) or len(size) != len(stride):
+            return f"size {size!r} and stride {stride!r} are not two tuples of one length"
+        if not all(_count(x) for x in (offset, *size, *stride)):
+            return f"offset {offset!r}, size {size} or stride {stride} is not all integers >= 0"
+        if 0 in size:
+            return None
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        if last >= self.storage.size:
+            return f"its last element ({last}) lies outside its storage of {self.storage.size}"
+        if math.prod(size) > self.storage.size:
+            return f"{math.prod(size)} elements over a storage of {self.storage.size} (overlapping)"
+        return None
+
+    def tensor(self, key: str, path: Path) -> np.ndarray:
+        """The tensor, copied out of its storage; TorchFormatError naming it if the record
+        points outside the storage."""
+        problem = self.problem()
+        if problem:
+            raise TorchFormatError(f"{path}: tensor {key}: {problem}; not read")
+        if 0 in self.size:
+            return np.zeros(self.size, self.storage.dtype)
+        itemsize = self.storage.dtype.itemsize
+        # The stride of a dimension of size 1 is never used (and may be anything).
+        strides = tuple(s * itemsize if n > 1 else 0 for n, s in zip(self.size, self.stride))
+        view = np.lib.stride_tricks.as_strided(
+            self.storage[self.offset :], shape=self.size, strides=strides
+        )
+        return np.array(view)
+
+
+def _count(value: Any) -> bool:
+    """An integer >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, hooks=None, *metadata):
-    """torch._utils._rebuild_tensor_v2 on a NumPy storage: the strided view, copied."""
+    """torch._utils._rebuild_tensor_v2 on a NumPy storage: the record, read once checked."""
     del requires_grad, hooks, metadata
-    itemsize = storage.dtype.itemsize
-    if len(size) != len(stride):
-        raise ValueError(f"tensor of size {size} has stride {stride}")
-    end = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
-    if any(n == 0 for n in size):
-        return np.zeros(size, storage.dtype)
-    if offset < 0 or end > storage.size:
-        raise ValueError(f"tensor [{offset}, {end}) outside its storage of {storage.size}")
-    view = np.lib.stride_tricks.as_strided(
-        storage[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
-    )
-    return np.array(view)
+    return _TensorRecord(storage, offset, tuple(size) if isinstance(size, list) else size, stride)
 
 
 def _rebuild_parameter(data, requires_grad=False, hooks=None, *rest):
@@ -131,13 +170,14 @@ def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
             entry = f"{prefix}data/{key}"
             if entry not in names:
                 raise TorchFormatError(f"{path}: storage entry {entry} is missing")
-            raw = archive.read(entry)
-            if len(raw) != numel * storage_type.dtype.itemsize:
+            expected = numel * storage_type.dtype.itemsize if _count(numel) else -1
+            size = archive.getinfo(entry).file_size  # checked before anything is read
+            if size != expected:
                 raise TorchFormatError(
-                    f"{path}: storage {entry} holds {len(raw)} bytes, expected {numel} "
+                    f"{path}: storage {entry} holds {size} bytes, expected {numel!r} "
                     f"{storage_type.name} elements"
                 )
-            return np.frombuffer(raw, storage_type.dtype)
+            return np.frombuffer(archive.read(entry), storage_type.dtype)
 
         try:
             state = restricted_loads(
@@ -150,10 +190,13 @@ def read_state_dict(path: str | Path) -> dict[str, np.ndarray]:
             raise TorchFormatError(f"{path}: {err}") from err
     if not isinstance(state, dict):
         raise TorchFormatError(f"{path}: holds a {type(state).__name__}, not a state dict")
-    bad = sorted(k for k, v in state.items() if not isinstance(v, np.ndarray))
+    bad = sorted(str(k) for k, v in state.items() if not isinstance(v, _TensorRecord))
     if bad:
-        raise TorchFormatError(f"{path}: entries that are not tensors: {', '.join(map(str, bad))}")
-    return {str(k).removeprefix("_orig_mod."): v for k, v in state.items()}
+        raise TorchFormatError(f"{path}: entries that are not tensors: {', '.join(bad)}")
+    for key, record in state.items():  # every record checked before any tensor is read
+        if problem := record.problem():
+            raise TorchFormatError(f"{path}: tensor {key}: {problem}; not read")
+    return {str(k).removeprefix("_orig_mod."): r.tensor(str(k), path) for k, r in state.items()}
 
 
 # ---------------------------------------------------------------------------------------------

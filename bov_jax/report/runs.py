@@ -140,12 +140,12 @@ def read_metrics(path: Path, problems: list[str]) -> tuple[list[dict], list[tupl
     evals: dict[int, dict[str, Any]] = {}
     coefficients: dict[int, dict[str, float]] = {}
     bad, non_finite = 0, []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8"))
             step = int(record["step"])
             bpb = float(record["val_bpb"]) if "val_bpb" in record else None
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError):  # not UTF-8, not JSON, not a number
             bad += 1
             continue
         if isinstance(record.get("coefficients"), dict) and record["coefficients"]:
@@ -224,7 +224,7 @@ def sweep_from_file(root: Path) -> Sweep:
     path = root / "sweep.json"
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
-        runs, left_out = [], list(spec.get("left_out", []))
+        planned, left_out = [], list(spec.get("left_out", []))
         for entry in spec["runs"]:
             if "workdirs" in entry:
                 workdirs = {int(k): v for k, v in entry["workdirs"].items()}
@@ -234,18 +234,21 @@ def sweep_from_file(root: Path) -> Sweep:
                 left_out.append(entry["name"])
                 continue
             run = Run(entry["name"], entry.get("config", ""), entry.get("paper") or {})
-            for seed, rel in sorted(workdirs.items()):
-                if (root / rel).is_dir():
-                    run.seeds[seed] = read_seed_run(root / rel, seed)
-                else:
-                    run.missing_seeds.append(seed)
-            runs.append(run)
+            planned.append((run, sorted((seed, root / rel) for seed, rel in workdirs.items())))
         invocations = list(spec.get("invocations", []))
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise UserError(
             f"{path}: not a sweep description ({type(err).__name__}: {err}); expected "
             '{"sweep", "layout", "baseline", "seeds", "runs": [{"name", ...}]}'
         ) from err
+    runs = []
+    for run, seeds in planned:  # a run's own files are the run's problems, not sweep.json's
+        for seed, workdir in seeds:
+            if workdir.is_dir():
+                run.seeds[seed] = read_seed_run(workdir, seed)
+            else:
+                run.missing_seeds.append(seed)
+        runs.append(run)
     return Sweep(
         root=root,
         name=spec.get("sweep", root.name),

@@ -8,7 +8,9 @@ the exact `python -m bov_jax.main` command line, with `--config.seed=k` so that 
 changes the model init and the data order. The engines only receive those command lines:
 
   local   runs them one after another on this machine (a finished run is skipped, an
-          interrupted one resumes from its checkpoint, a failed one does not stop the rest);
+          interrupted one resumes from its checkpoint, a failed one does not stop the rest,
+          one whose workdir another run holds is not started); the trainer gets the sweep's
+          SIGTERM / SIGINT and dies with it (kill -9 included), checkpointing first;
   slurm   writes ROOT/slurm_array.sbatch, one array task per job, each task running
           launch/slurm.sbatch of the checkout it is submitted from (requeue until finished, as
           for a single run);
@@ -20,9 +22,12 @@ by every invocation so far, each workdir's horizon and overrides, and the title 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -32,10 +37,12 @@ from typing import Any
 from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic, write_text_atomic
 from bov_jax.sweep.config_files import apply_override, load_config, load_python_file
+from bov_jax.train import workdir_lock
 
 LAYOUTS = ("table1", "d24", "fig5b", "plain")
 LAUNCHERS = ("local", "slurm", "tpu")
 REPO = Path(__file__).resolve().parents[2]
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,17 +321,64 @@ def describe(jobs: Sequence[Job]) -> str:
     return "\n".join(lines)
 
 
+def die_with(parent: int) -> None:
+    """In a child before exec (Linux): SIGTERM when the sweep (`parent`) dies, even by kill -9,
+    so that the trainer checkpoints and ends instead of running on as an orphan."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the sweep died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_child(command: list[str]) -> tuple[int, str | None]:
+    """Run one job to its end: (exit status, the signal that stopped the sweep, if any).
+
+    The child runs in its own process group, so a terminal's Ctrl-C reaches it once, through
+    the sweep: SIGTERM / SIGINT to the sweep are forwarded to it, and the sweep waits for it
+    to checkpoint and exit.
+    """
+    parent = os.getpid()
+    child = subprocess.Popen(
+        command, cwd=REPO, process_group=0, preexec_fn=lambda: die_with(parent)
+    )
+    received: list[str] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait(), (received[0] if received else None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_local(jobs: Sequence[Job], log=print) -> list[Job]:
-    """Run each unfinished job to its end, one after another; returns the failed ones."""
+    """Run each unfinished job to its end, one after another; returns the failed ones.
+
+    A job whose workdir another run holds (an earlier sweep's trainer still running) is not
+    started. A SIGTERM / SIGINT stops the sweep after the running job has checkpointed.
+    """
     failed = []
     for i, job in enumerate(jobs):
         label = f"[{i + 1}/{len(jobs)}] {job.run.name} seed {job.seed}"
         if job.finished():
             log(f"{label}: finished, skipped")
             continue
+        busy = workdir_lock.holder(job.workdir)
+        if busy:
+            log(f"{label}: {job.workdir} is in use by another run ({busy}); not started")
+            failed.append(job)
+            continue
         log(f"{label}: {shlex.join(job.command())}")
         job.workdir.mkdir(parents=True, exist_ok=True)
-        code = subprocess.call(job.command(), cwd=REPO)
+        code, stopped_by = run_child(job.command())
+        if stopped_by:
+            log(f"{label}: stopped by {stopped_by} (status {code}); rerun the sweep to resume it")
+            failed.extend(jobs[i:])
+            break
         if code != 0 or not job.finished():
             log(
                 f"{label}: exited with status {code} before its horizon (log above); "

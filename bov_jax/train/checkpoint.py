@@ -19,31 +19,38 @@ is the last line of defence). A save that fails in the background (a full disk) 
 the next `check_saves`, `save` or `wait` as CheckpointSaveError; the steps saved before stay.
 
 Restoring checks the manifest first: a missing, truncated or corrupted file raises
-CheckpointError naming the step and the file. `restore_latest(..., fallback=True)` then moves
-that step aside (`<step>.corrupt-<time>`) and resumes from the one before; nothing else moves a
-checkpoint. The data the checkpoint was trained on is compared by content (the config's
-`data_files` fingerprints, see bov_jax/data/identity.py): changed files raise DataChangedError
-naming them, and data iterator positions that do not fit the data raise DataStateError.
+CheckpointError naming the step and the file (`damaged`). Only such damage lets
+`restore_latest(..., fallback=True)` move that step aside (`<step>.corrupt-<time>`) and resume
+from the one before; nothing else moves a checkpoint. A saved state whose structure or shapes
+differ from this model's (another width, depth, optimizer) is another experiment:
+ConfigMismatchError listing the leaves, found from the checkpoint's metadata before Orbax reads
+any array, and nothing moves. The data the checkpoint was trained on is compared by content
+(the config's `data_files` fingerprints, see bov_jax/data/identity.py): changed files raise
+DataChangedError naming them, and data iterator positions that do not fit the data raise
+DataStateError.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bov_jax.data.identity import changed_files
+from bov_jax.data.identity import as_recorded, changed_files, data_files
 from bov_jax.errors import UserError
 from bov_jax.train.state import TrainState, all_finite
 
@@ -53,6 +60,7 @@ MANIFEST = "bov_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary step directory (atomic rename)
 # Orbax adds the commit time to this file after the manifest is written.
 UNCHECKED = {MANIFEST, "_CHECKPOINT_METADATA"}
+CORRUPT_MARK = ".corrupt-"  # <step>.corrupt-<time>: a damaged step moved aside
 
 # Keys that may differ between a run and its resumption without changing the experiment:
 # frequencies and budgets of logging, evaluation, sampling and saving, the device layout
@@ -85,6 +93,14 @@ HARMLESS_PREFIXES = (
     "data.encode_threads",
     "data.prefetch_buffer_size",
 )
+# Keys `checkpoint.allow_changes` may accept: they leave the saved state's shapes and the model
+# as they were (horizon, batch, schedules, optimizer constants, compute dtype).
+RESUMABLE_PREFIXES = ("train.", "optim.", "model.compute_dtype", "model.loss_chunk_tokens")
+NOT_RESUMABLE = ("train.data_streams",)  # the saved data positions are per stream
+
+
+def resumable_change(key: str) -> bool:
+    return key.startswith(RESUMABLE_PREFIXES) and not key.startswith(NOT_RESUMABLE)
 
 
 class ConfigMismatchError(UserError, ValueError):
@@ -112,13 +128,17 @@ class CheckpointSaveError(UserError, RuntimeError):
 
 
 class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be restored: names the step and the file (or directory)."""
+    """A checkpoint that cannot be restored: names the step and the file (or directory).
+
+    `damaged`: its files are missing, cut short or corrupted (the manifest's check, unreadable
+    files), the one case `checkpoint.fallback` may move it aside for.
+    """
 
     exit_status = 1
 
-    def __init__(self, step: int, path: Path | str, reason: str):
+    def __init__(self, step: int, path: Path | str, reason: str, damaged: bool = True):
         super().__init__(f"checkpoint at step {step}: {path}: {reason}")
-        self.step, self.path, self.reason = step, Path(path), reason
+        self.step, self.path, self.reason, self.damaged = step, Path(path), reason, damaged
 
 
 class CheckpointFileError(OSError):
@@ -239,14 +259,15 @@ def write_manifest(step_dir: Path) -> None:
     (step_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
-def verify_manifest(step_dir: Path, step: int) -> None:
-    """Raise CheckpointError naming the first missing, truncated or corrupted file."""
+def verify_manifest(step_dir: Path, step: int) -> bool:
+    """Raise CheckpointError naming the first missing, truncated or corrupted file; whether
+    there was a manifest to check (a step written before manifests has none)."""
     path = step_dir / MANIFEST
     if not path.exists():
         if not step_dir.is_dir():
             raise CheckpointError(step, step_dir, "no such checkpoint directory")
         log.warning("%s has no %s: restoring it unverified", step_dir, MANIFEST)
-        return
+        return False
     try:
         files = json.loads(path.read_text())["files"]
         entries = [(name, int(size), int(crc)) for name, (size, crc) in files.items()]
@@ -261,14 +282,16 @@ def verify_manifest(step_dir: Path, step: int) -> None:
             raise CheckpointError(step, file, f"truncated: {actual} bytes, {size} expected")
         if file_crc32(file) != crc:
             raise CheckpointError(step, file, "corrupted: CRC32 differs from the manifest")
+    return True
 
 
-def verify_everywhere(step_dir: Path, step: int) -> None:
-    """Process 0 checks the manifest (one read of the files); every process gets the verdict."""
-    error = None
+def verify_everywhere(step_dir: Path, step: int) -> bool:
+    """Process 0 checks the manifest (one read of the files); every process gets the verdict.
+    Whether the step had a manifest to check."""
+    error, verified = None, (step_dir / MANIFEST).exists()
     if jax.process_index() == 0:
         try:
-            verify_manifest(step_dir, step)
+            verified = verify_manifest(step_dir, step)
         except CheckpointError as err:
             error = err
     if jax.process_count() > 1:
@@ -277,6 +300,49 @@ def verify_everywhere(step_dir: Path, step: int) -> None:
             error = CheckpointError(step, step_dir, "verification failed on process 0")
     if error is not None:
         raise error
+    return verified
+
+
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's first line, cut to `limit` characters (Orbax and TensorStore errors carry
+    whole specs: the file they name is in the first line)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[0] if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def quiet_absl() -> Iterator[None]:
+    """Orbax's warnings through absl off (reading the metadata of one item of a step warns
+    that the step's own metadata file is not there)."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def saved_tree(step_dir: Path, item: str = "state") -> Any:
+    """The tree of array metadata (shape, dtype) of a step's saved state, read without
+    loading any array."""
+    with quiet_absl(), ocp.PyTreeCheckpointer() as checkpointer:
+        return checkpointer.metadata(step_dir / item).item_metadata.tree
+
+
+def shape_differences(saved: Any, wanted: Any, limit: int = 8) -> list[str]:
+    """'path: saved shape -> wanted shape' for every leaf that differs or is absent (at most
+    `limit`, then a count of the others)."""
+    a, b = leaf_shapes(saved), leaf_shapes(wanted)
+    differences = [
+        f"{k}: {a.get(k, '<absent>')} -> {b.get(k, '<absent>')}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
+    if len(differences) > limit:
+        differences[limit:] = [f"... and {len(differences) - limit} more"]
+    return differences
 
 
 def abstract_like(tree: Any) -> Any:
@@ -382,8 +448,15 @@ class Checkpoints:
 
         With `streams`, the data iterators are also moved to the saved positions, in place.
         """
-        if verify:
-            verify_everywhere(self.step_dir(step), step)
+        verified = verify_everywhere(self.step_dir(step), step) if verify else True
+        return self._restore_state(step, target, streams, verified)
+
+    def _restore_state(
+        self, step: int, target: TrainState, streams: StreamSet | None, verified: bool
+    ) -> TrainState:
+        """restore() after the manifest's check (`verified`: there was a manifest)."""
+        step_dir = self.step_dir(step)
+        self.check_shapes(step, target, verified)
         items = {"state": ocp.args.StandardRestore(abstract_like(target))}
         if streams is not None:
             items["data"] = DataStreamsArgs(streams)
@@ -394,8 +467,27 @@ class Checkpoints:
         except DataStateError:
             raise
         except Exception as err:  # orbax raises many types; name the step and directory
-            raise CheckpointError(step, self.step_dir(step), str(err)) from err
+            # Files that passed the manifest's check are intact: not a damaged checkpoint.
+            reason = first_line(err) + ("" if verified else " (no manifest to check it by)")
+            raise CheckpointError(step, step_dir, reason, damaged=not verified) from err
         return restored.state
+
+    def check_shapes(self, step: int, target: TrainState, verified: bool) -> None:
+        """ConfigMismatchError listing the leaves whose presence or shape differs between the
+        saved state and `target` (from the saved metadata; no array is read)."""
+        try:
+            saved = saved_tree(self.step_dir(step))
+        except Exception as err:  # noqa: BLE001 -- unreadable metadata
+            path = self.step_dir(step) / "state"
+            raise CheckpointError(step, path, first_line(err), damaged=not verified) from err
+        differences = shape_differences(saved, target)
+        if differences:
+            raise ConfigMismatchError(
+                f"{self.step_dir(step)} holds a state of other shapes than this model's (another "
+                "experiment; nothing was moved):\n  " + "\n  ".join(differences) + "\nUse "
+                "another workdir, or start one from parameters of matching shapes with "
+                f"--config.checkpoint.init_params_from={self.directory.parent}"
+            )
 
     def restore_latest(
         self, state: TrainState, streams: StreamSet, config: dict, fallback: bool = False
@@ -403,14 +495,17 @@ class Checkpoints:
         """The latest checkpoint's state (and data positions), or `state` if there is none.
 
         Stops with the list of differing keys if the checkpoint belongs to another experiment.
-        A checkpoint that cannot be restored raises CheckpointError; with `fallback`, it is
-        moved aside and the previous one is tried.
+        A checkpoint that cannot be restored raises CheckpointError; with `fallback`, a damaged
+        one (and only that) is moved aside and the previous one is tried.
         """
         steps = self.all_steps()
+        moved = []
         for step in reversed(steps):
             try:
                 return self._restore_checked(step, state, streams, config)
             except CheckpointError as err:
+                if not err.damaged:
+                    raise
                 if not fallback:
                     raise CheckpointError(
                         err.step,
@@ -419,19 +514,23 @@ class Checkpoints:
                         "previous checkpoint instead)",
                     ) from err
                 log.warning("%s; falling back to the previous checkpoint", err)
-                self.quarantine(step)
+                moved.append(str(self.quarantine(step)))
         if steps:
-            raise CheckpointError(steps[0], self.directory, "no earlier checkpoint to fall back to")
+            raise CheckpointError(
+                steps[0],
+                self.directory,
+                f"no earlier checkpoint to fall back to; moved aside: {', '.join(moved)}",
+            )
         return state
 
     def _restore_checked(
         self, step: int, state: TrainState, streams: StreamSet, config: dict
     ) -> TrainState:
-        verify_everywhere(self.step_dir(step), step)
+        verified = verify_everywhere(self.step_dir(step), step)
         saved = self.saved_config(step)
         self.check_experiment(step, saved, config)
         self.check_data(step, saved, config)
-        restored = self.restore(step, state, streams, verify=False)
+        restored = self._restore_state(step, state, streams, verified)
         log.info("resumed from %s", self.step_dir(step))
         return restored
 
@@ -450,15 +549,36 @@ class Checkpoints:
             saved = {**saved, "model": {**saved_model, "compute_dtype": resolved}}
         allowed = allowed_changes(config)
         differences = experiment_differences(saved, config)
-        accepted = [d for d in differences if d.split(":", 1)[0] in allowed]
+        keys = {d: d.split(":", 1)[0] for d in differences}
+        accepted = [d for d in differences if keys[d] in allowed and resumable_change(keys[d])]
         refused = [d for d in differences if d not in accepted]
         if refused:
+            unacceptable = [keys[d] for d in refused if keys[d] in allowed]
+            resumable = [keys[d] for d in refused if resumable_change(keys[d])]
+            remedies = [
+                "Use another workdir",
+                "start one from these parameters only with "
+                f"--config.checkpoint.init_params_from={self.directory.parent}",
+            ]
+            if resumable:
+                remedies.append(
+                    "accept listed keys on purpose with "
+                    f'--config.checkpoint.allow_changes="{",".join(resumable)}"'
+                )
+            note = (
+                f"\ncheckpoint.allow_changes cannot accept {', '.join(unacceptable)}: only keys "
+                "that leave the saved state's shapes and the model as they were (train.*, "
+                "optim.*, model.compute_dtype, model.loss_chunk_tokens)"
+                if unacceptable
+                else ""
+            )
             raise ConfigMismatchError(
-                f"{self.step_dir(step)} was written by a different experiment; differing "
-                "config keys:\n  " + "\n  ".join(refused) + "\nUse another workdir, start one "
-                "from these parameters only with --config.checkpoint.init_params_from="
-                f"{self.directory.parent}, or accept listed keys on purpose with "
-                '--config.checkpoint.allow_changes="<key>,..."'
+                f"{self.step_dir(step)} was written by a different experiment (nothing was "
+                "moved); differing config keys:\n  "
+                + "\n  ".join(refused)
+                + note
+                + "\n"
+                + "; ".join(remedies)
             )
         for difference in accepted:
             log.warning(
@@ -474,7 +594,9 @@ class Checkpoints:
         if DATA_FILES not in saved or DATA_FILES not in config:
             log.warning("checkpoint %d records no data fingerprint: data not compared", step)
             return
-        changes = changed_files(saved[DATA_FILES], config[DATA_FILES])
+        files = data_files(ml_collections.ConfigDict(config["data"]))
+        current = as_recorded(saved[DATA_FILES], config[DATA_FILES], files)
+        changes = changed_files(saved[DATA_FILES], current)
         if changes:
             raise DataChangedError(
                 f"the data in {config['data']['data_dir']} is not the data of checkpoint "
@@ -483,15 +605,23 @@ class Checkpoints:
                 f"with --config.checkpoint.init_params_from={self.directory.parent}"
             )
 
-    def quarantine(self, step: int) -> None:
-        """Move a bad step out of the manager's sight (kept for inspection)."""
+    def quarantine(self, step: int) -> Path:
+        """Move a damaged step out of the manager's sight (kept for inspection); its new path."""
+        bad = self.directory / f"{step}{CORRUPT_MARK}{time.strftime('%Y%m%d-%H%M%S')}"
         if jax.process_index() == 0:
-            bad = self.directory / f"{step}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
             self.step_dir(step).rename(bad)
             log.warning("moved checkpoint %d aside to %s", step, bad)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"bov_jax quarantine {step}")
         self.manager.reload()
+        return bad
+
+    def quarantined(self) -> list[Path]:
+        """The steps moved aside as damaged (`<step>.corrupt-<time>`), oldest step first."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir() if CORRUPT_MARK in p.name]
+        return sorted(found, key=lambda p: (int(p.name.split(".")[0]), p.name))
 
     def wait(self) -> None:
         """Wait for the save in flight; CheckpointSaveError if it failed."""
@@ -529,24 +659,25 @@ def source_step_dir(source: str | Path) -> Path:
     return directory / str(steps[-1])
 
 
+def stored_shape(leaf: Any) -> tuple[int, ...]:
+    """The shape a leaf is saved with: a typed PRNG key is saved as its key data."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
+    return tuple(leaf.shape)
+
+
 def leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """{'params/blocks/0/...': shape} (saved dict keys are strings, ours may be ints)."""
     return {
-        jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+        jax.tree_util.keystr(path, simple=True, separator="/"): stored_shape(leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
     }
 
 
 def parameter_differences(step_dir: Path, target_params: dict) -> list[str]:
     """'path: saved shape -> wanted shape' for every parameter that differs or is absent."""
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        tree = checkpointer.metadata(step_dir / "state").item_metadata.tree
-    saved, wanted = leaf_shapes(tree["params"]), leaf_shapes(target_params)
-    return [
-        f"{k}: {saved.get(k, '<absent>')} -> {wanted.get(k, '<absent>')}"
-        for k in sorted(set(saved) | set(wanted))
-        if saved.get(k) != wanted.get(k)
-    ]
+    return shape_differences(saved_tree(step_dir)["params"], target_params, limit=10**6)
 
 
 def load_parameters(source: str | Path, target_params: dict) -> dict:

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.files import check_writable, write_json_atomic, write_text_atomic
 from bov_jax.model.gpt import learned_coefficients
 from bov_jax.model.spec import resolve_auto
-from bov_jax.train import run_record, schedules
+from bov_jax.train import run_record, schedules, workdir_lock
 from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
@@ -87,20 +88,45 @@ def ensure_writable(workdir: Path) -> None:
         ) from err
 
 
+class NoUsableCheckpointError(UserError, RuntimeError):
+    """Every checkpoint of the workdir was moved aside as damaged: no silent fresh start."""
+
+    exit_status = 1
+
+
+def keep_earlier_metrics(workdir: Path) -> None:
+    """Before step 0 in a workdir with no checkpoint: the metrics.jsonl of an earlier start
+    (stopped before its first save, or started over) is renamed beside, never emptied."""
+    path = workdir / "metrics.jsonl"
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    kept = workdir / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    path.rename(kept)
+    log.warning(
+        "%s has no checkpoint (its run stopped before its first save, or starts over): "
+        "starting from step 0; the earlier records are kept in %s",
+        workdir,
+        kept,
+    )
+
+
 def truncate_metrics(path: Path, step: int) -> None:
     """Keep the records of steps before `step` (a resumed run rewrites the rest).
 
-    A line cut short by a killed process is dropped too.
+    A line that is not a record (cut short by a killed process, not UTF-8, not JSON) is
+    dropped and counted in a warning.
     """
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
+    kept, unreadable = [], 0
+    for line in path.read_bytes().splitlines():
         try:
-            if json.loads(line)["step"] < step:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
-            continue
+            if json.loads(line.decode("utf-8"))["step"] < step:
+                kept.append(line.decode("utf-8") + "\n")
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+            unreadable += 1
+    if unreadable:
+        log.warning("%s: dropped %d unreadable line(s)", path, unreadable)
     write_text_atomic(path, "".join(kept))
 
 
@@ -274,12 +300,27 @@ class Trainer:
         """The latest checkpoint of this workdir, else `init_params_from`, else the init."""
         ck = self.config.checkpoint
         state, self.fresh_state = self.fresh_state, None
+        moved = self.checkpoints.quarantined()
         if self.checkpoints.latest_step() is not None:
+            if moved:
+                log.warning(
+                    "checkpoints moved aside as damaged earlier: %s", ", ".join(map(str, moved))
+                )
             target = abstract_like(state)
             del state  # free the initial state before the restored one is allocated
             return self.checkpoints.restore_latest(
                 target, self.train_data, self.config_dict, ck.fallback
             )
+        if moved and not ck.start_over:
+            raise NoUsableCheckpointError(
+                f"{self.checkpoints.directory} holds no usable checkpoint: every one was moved "
+                f"aside as damaged ({', '.join(map(str, moved))}), and this run will not start "
+                "from step 0 over the records of the last. Put a good checkpoint back there, or "
+                "start over on purpose with --config.checkpoint.start_over=True (metrics.jsonl is "
+                "kept beside)"
+            )
+        if jax.process_index() == 0:
+            keep_earlier_metrics(self.workdir)
         if ck.init_params_from:
             return state._replace(params=load_parameters(ck.init_params_from, state.params))
         return state
@@ -333,7 +374,7 @@ class Trainer:
             kept = (
                 "no checkpoint yet"
                 if latest is None
-                else f"the last good state is checkpoint {self.checkpoints.step_dir(latest)}"
+                else f"the latest checkpoint is {self.checkpoints.step_dir(latest)}"
                 ", where a rerun continues"
             )
             raise NonFiniteLossError(
@@ -569,10 +610,19 @@ def log_setup(config_dict: dict[str, Any], workdir: Path) -> None:
 
 
 def run(config: Any, workdir: str | Path) -> dict[str, Any]:
-    """Train (or resume) the configured run in `workdir`; returns the final metrics."""
+    """Train (or resume) the configured run in `workdir`; returns the final metrics.
+
+    Process 0 holds the workdir's lock throughout: a second run on it stops at once.
+    """
     workdir = Path(workdir)
     validate_config(config)
     ensure_writable(workdir)
+    with workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+        return run_in(config, workdir)
+
+
+def run_in(config: Any, workdir: Path) -> dict[str, Any]:
+    """`run` once the workdir is checked and held."""
     plan = training_plan(config)
     with config_errors():
         mesh = sharding.make_mesh(config.mesh)
