@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bov_jax.errors import UserError
 from bov_jax.evals import core, tasks
 
 BUNDLE = Path(__file__).parent / "data" / "core" / "bundle"
@@ -256,6 +257,7 @@ def test_evaluate_core_task_subset_and_truncation():
 def test_cli_main(monkeypatch, capsys, caplog, tmp_path, command_flags):
     loading = types.ModuleType("bov_jax.evals.loading")
     loading.load_logits_fn = lambda workdir, step: (7, TOK, bigram_logits)
+    loading.load_config = lambda workdir: None  # evals.core checks the workdir first
     monkeypatch.setitem(sys.modules, "bov_jax.evals.loading", loading)
     out = tmp_path / "core.json"
     run = tmp_path / "run"
@@ -272,7 +274,7 @@ def test_cli_main(monkeypatch, capsys, caplog, tmp_path, command_flags):
     assert saved["centered_results"]["copa"] == pytest.approx(0.2)
     assert "CORE examples: 12/12 (100%)" in caplog.text and "ETA" in caplog.text
     assert "copa (0-shot" in caplog.text  # per-task lines reach the package logger
-    with pytest.raises(SystemExit, match="no CORE bundle"):
+    with pytest.raises(UserError, match="no CORE bundle at .*; build one with"):
         command_flags(core.define_flags, "--workdir=unused", f"--bundle-dir={tmp_path / 'none'}")
         core.main(["core"])
 

@@ -16,7 +16,8 @@ from bov_jax.sweep import jobs as sweeps
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_GCLOUD = REPO / "tests" / "launch"
-# python3 on the fake worker: bov_jax.main logs its start and end around a 1 s pause and writes
+# The fake worker's venv python (~/bov_jax/.venv/bin/python, what `install` builds):
+# bov_jax.main logs its start and end around a 1 s pause and writes
 # status.json, short of the horizon for the workdir named in $FAIL_WORKDIR.
 FAKE_PYTHON = """#!/usr/bin/env bash
 if [[ $1 == -u && $2 == -m && $3 == bov_jax.main ]]; then
@@ -34,13 +35,14 @@ exec {python} "$@"
 
 
 def worker_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """The environment of launch/tpu_pod.sh with the fake gcloud and python3 first on PATH."""
-    home, bin_dir = tmp_path / "home", tmp_path / "bin"
-    (home / "bov_jax").mkdir(parents=True, exist_ok=True)
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "python3").write_text(FAKE_PYTHON.replace("{python}", sys.executable))
-    (bin_dir / "python3").chmod(0o755)
-    path = f"{bin_dir}:{FAKE_GCLOUD}:{os.environ['PATH']}"
+    """The environment of launch/tpu_pod.sh with the fake gcloud first on PATH and the fake
+    worker's venv python in place."""
+    home = tmp_path / "home"
+    venv_bin = home / "bov_jax" / ".venv" / "bin"
+    venv_bin.mkdir(parents=True, exist_ok=True)
+    (venv_bin / "python").write_text(FAKE_PYTHON.replace("{python}", sys.executable))
+    (venv_bin / "python").chmod(0o755)
+    path = f"{FAKE_GCLOUD}:{os.environ['PATH']}"
     return {**os.environ, "PATH": path, "HOME": str(home), "TPU_NAME": "t", "ZONE": "z", **extra}
 
 
@@ -74,7 +76,13 @@ def test_sync_leaves_out_virtual_environments(tmp_path):
     assert done.returncode == 0, done.stderr
     with tarfile.open(tmp_path / "home" / "bov_jax_code.tgz") as archive:
         shipped = set(archive.getnames())
-    assert shipped == {"launch/tpu_pod.sh", "train.py", "notes.txt", "tools/keep.py"}
+    assert shipped == {
+        "launch/tpu_pod.sh",
+        "train.py",
+        "notes.txt",
+        "tools/keep.py",
+        ".revision.json",  # the commit, for the run record on the workers
+    }
     assert (tmp_path / "home" / "bov_jax" / "tools" / "keep.py").read_text() == "untracked"
 
 

@@ -393,9 +393,9 @@ def import_checkpoint(
 
 def recorded_val_bpb(workdir: Path, step: int) -> float | None:
     """The val BPB the run recorded at `step` (metrics.jsonl), if it evaluated there."""
-    from bov_jax.report.runs import read_eval_records
+    from bov_jax.report.runs import read_metrics
 
-    records = read_eval_records(workdir / "metrics.jsonl", [])
+    records, _ = read_metrics(workdir / "metrics.jsonl", [])
     return next((r["val_bpb"] for r in records if r["step"] == step), None)
 
 
