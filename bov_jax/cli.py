@@ -25,6 +25,7 @@ from absl import app, flags
 flags.DEFINE_bool("debug", False, "Show the full traceback of user errors.")
 
 CONFIG_FLAG = "--config"
+HELP_FLAGS = ("--help", "--helpshort", "--helpfull", "-?")
 # OSErrors that mean "the disk or the directory will not take this": the user fixes those.
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
@@ -98,10 +99,15 @@ def check_config_arguments(argv: list[str]) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with config-file problems turned into UserErrors."""
+    """absl's flag parsing, with config-file problems turned into UserErrors (and --help
+    exiting with status 0)."""
     check_config_arguments(argv)
     try:
         return app.parse_flags_with_usage(argv)
+    except SystemExit as err:  # absl ends --help with status 1; asking for help succeeds
+        if err.code == 1 and any(arg in HELP_FLAGS for arg in argv[1:]):
+            raise SystemExit(0) from None
+        raise
     except (OSError, KeyError, AttributeError, TypeError, ValueError) as err:
         # ml_collections wraps a config file's own error in several layers; its last line
         # names the cause.

@@ -519,15 +519,26 @@ def prepare_token_cache(data_cfg: Any, tokenizer: Tokenizer) -> None:
         multihost_utils.sync_global_devices("bov_jax token cache ready")
 
 
-def recorded_config(config: Any, streams: int) -> dict[str, Any]:
+def recorded_config(config: Any, streams: int, platform: str) -> dict[str, Any]:
     """The config as written to config.json and checkpoints: `auto` and 0 choices resolved
-    as on this machine (compute dtype, attention, data streams) and the data's fingerprint."""
+    as for the mesh's `platform` (compute dtype, attention, data streams) and the data's
+    fingerprint."""
     recorded = json.loads(config.to_json_best_effort())
     for key in ("compute_dtype", "attention_impl"):
-        recorded["model"][key] = resolve_auto(key, config.model[key])
+        recorded["model"][key] = resolve_auto(key, config.model[key], platform)
     recorded["train"]["data_streams"] = streams
     recorded[DATA_FILES] = data_fingerprint(config.data)
     return recorded
+
+
+def kernel_mesh(config: Any, mesh: jax.sharding.Mesh) -> contextlib.AbstractContextManager:
+    """The ambient mesh the steps are traced under. Splash kernels are not partitioned by
+    XLA: they shard_map over it. An abstract mesh, so that eager work while tracing stays
+    off the mesh's devices (bov_jax/model/splash.py); none for other attention."""
+    impl = resolve_auto("attention_impl", config.model.attention_impl, sharding.platform(mesh))
+    if impl != "splash":
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def run(config: Any, workdir: str | Path) -> dict[str, Any]:
@@ -546,7 +557,7 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     )
     prepare_token_cache(config.data, tokenizer)
     is_main = jax.process_index() == 0
-    config_dict = recorded_config(config, streams)
+    config_dict = recorded_config(config, streams, sharding.platform(mesh))
     log.info("plan: %s", json.dumps(plan.summary()))
     log.info(
         "mesh %s; %d micro-batches of %d rows per step; %d data streams",
@@ -556,10 +567,8 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
         streams,
     )
     stop = StopRequest()
-    # Splash kernels are not partitioned by XLA: they shard_map over the ambient mesh.
-    splash = resolve_auto("attention_impl", config.model.attention_impl) == "splash"
     try:
-        with jax.set_mesh(mesh) if splash else contextlib.nullcontext():
+        with kernel_mesh(config, mesh):
             final = train_in(
                 workdir, Trainer(config, workdir, plan, mesh, layout, tokenizer, config_dict, stop)
             )
