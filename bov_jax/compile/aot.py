@@ -5,7 +5,7 @@ host's), the batch layout, the model, optimizer and the jitted initialiser of th
 (`train_state_init`) — without allocating anything: the initialiser is compiled for its
 output shardings, and the state is ShapeDtypeStructs carrying them. The steps are the loop's
 own (`make_train_step`, `make_eval_step`, the decode engine's prefill and decode loop),
-lowered under the loop's ambient mesh (`kernel_mesh`) and compiled by the target's compiler.
+lowered and compiled by the target's compiler.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from bov_jax.compile.targets import Target
 from bov_jax.model import decode
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train.layout import BatchLayout
-from bov_jax.train.loop import kernel_mesh
 from bov_jax.train.state import TrainState, train_state_init
 from bov_jax.train.step import make_eval_step, make_train_step
 
@@ -80,26 +79,24 @@ class Setup:
 
 
 def lowered_steps(setup: Setup, names: tuple[str, ...]) -> dict[str, Any]:
-    """{name: lowered step} for `names` out of STEPS, traced under the loop's ambient mesh."""
+    """{name: lowered step} for `names` out of STEPS."""
     config, spec, layout = setup.config, setup.spec, setup.layout()
     seq = spec.seq_len
     out = {}
-    with kernel_mesh(config, setup.mesh):
-        if "train" in names:
-            step = make_train_step(
-                setup.graphdef, setup.tx, setup.shardings, setup.mesh, -1
-            )  # no fault injection: a test hook
-            batch = setup.tokens((layout.accum, layout.micro_rows, seq), leading=1)
-            out["train"] = step.lower(setup.state, {"inputs": batch, "targets": batch})
-        if "eval" in names:
-            step = make_eval_step(setup.graphdef, setup.shardings, setup.mesh)
-            batch = setup.tokens((layout.micro_rows, seq))
-            token_bytes = setup.replicated((spec.vocab_size,), jnp.int32)
-            out["eval"] = step.lower(
-                setup.state.params, {"inputs": batch, "targets": batch}, token_bytes
-            )
-        if "prefill" in names or "decode" in names:
-            out.update(lowered_decode(setup, names))
+    if "train" in names:
+        fault_step = config.train.fault_nonfinite_step
+        step = make_train_step(setup.graphdef, setup.tx, setup.shardings, setup.mesh, fault_step)
+        batch = setup.tokens((layout.accum, layout.micro_rows, seq), leading=1)
+        out["train"] = step.lower(setup.state, {"inputs": batch, "targets": batch})
+    if "eval" in names:
+        step = make_eval_step(setup.graphdef, setup.shardings, setup.mesh)
+        batch = setup.tokens((layout.micro_rows, seq))
+        token_bytes = setup.replicated((spec.vocab_size,), jnp.int32)
+        out["eval"] = step.lower(
+            setup.state.params, {"inputs": batch, "targets": batch}, token_bytes
+        )
+    if "prefill" in names or "decode" in names:
+        out.update(lowered_decode(setup, names))
     return out
 
 

@@ -74,8 +74,14 @@ def set_rows(setup: aot.Setup, options: Options, log: Any) -> None:
             train.device_batch_size = fitting[-1]
 
 
-def run(config: Any, options: Options, log: Any = print) -> dict[str, Any]:
-    """Compile `options.steps` of `config` for `options.target`; the report (module doc)."""
+def progress(line: str) -> None:
+    print(line, flush=True)
+
+
+def run(config: Any, options: Options, log: Any = progress) -> dict[str, Any]:
+    """Compile `options.steps` of `config` for `options.target`; the report (module doc).
+    `log` takes progress lines (None: quiet)."""
+    log = log or (lambda line: None)
     options.check()
     validate_config(config)
     target = resolve_target(options.target, options.gpus)
@@ -96,7 +102,10 @@ def run(config: Any, options: Options, log: Any = print) -> dict[str, Any]:
                 raise NoFit(f"not even 1 row per device fits {target.label}")
             config.train.device_batch_size = best
         setup.layout()  # the size is valid before anything compiles
-        steps = aot.compile_steps(setup, options.steps, options.margin)
+        known = {"train": tried[best]} if options.find_rows else {}
+        rest = tuple(name for name in options.steps if name not in known)
+        steps = {**known, **aot.compile_steps(setup, rest, options.margin)}
+        steps = {name: steps[name] for name in options.steps}
     first = steps[options.steps[0]]
     layout = setup.layout()
     platform = sharding.platform(setup.mesh)

@@ -13,10 +13,12 @@ version, about 5 GB); 8 GPUs per host.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
+from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
@@ -138,18 +140,41 @@ def resolve_target(name: str, gpus: int = GPUS_PER_HOST) -> Target:
     return tpu_target(name, TPU[match.group(1)], int(match.group(2)))
 
 
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """The environment variables of `variables` that are not set, set for the block."""
+    added = {k: v for k, v in variables.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def accelerator_type(name: str) -> str:
+    """The accelerator type as a TPU VM reports it: v5e slices are "v5litepod-N"."""
+    return re.sub(r"^v5e-", "v5litepod-", name.strip().lower())
+
+
 def target_devices(target: Target) -> list:
     """The target's devices (every host's), from its topology description."""
     from jax.experimental import topologies
 
     if target.platform == "tpu":
         # A compile-only client needs no lock on chips: another jax process of this host
-        # that loaded libtpu (any jax program not pinned to the CPU) holds that lock.
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        # that loaded libtpu (any jax program not pinned to the CPU) holds that lock. Off a
+        # TPU VM, libtpu asks for the host's accelerator and workers: this target, this host.
+        tpu_env = {
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+            "TPU_ACCELERATOR_TYPE": accelerator_type(target.name),
+            "TPU_WORKER_HOSTNAMES": "localhost",
+        }
         try:
-            description = topologies.get_topology_desc(
-                topology_name=target.topology, platform="tpu", **dict(target.options)
-            )
+            with environment(tpu_env):
+                description = topologies.get_topology_desc(
+                    topology_name=target.topology, platform="tpu", **dict(target.options)
+                )
         except Exception as err:  # libtpu missing, or a topology it does not know
             raise UserError(
                 f"cannot describe the TPU topology {target.topology} for --target={target.name}"

@@ -6,10 +6,9 @@ natively when the ambient mesh's devices are TPUs (also a compile-only TPU targe
 host, bov_jax.compile), else, or without a mesh, for this host's backend; off TPU it runs in
 Pallas interpret mode (slow; for tests only).
 
-The ambient mesh is set with `jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`
-(bov_jax.train.loop.kernel_mesh): `jax.set_mesh` would also make the mesh's devices those
-of eager work during tracing, where the kernel builds its mask tables, and a compile-only
-target's devices cannot run anything.
+The train and eval steps trace under their mesh as an abstract mesh (bov_jax.train.step.
+on_mesh): `jax.set_mesh` would also send eager work during tracing, where the kernel builds
+its mask tables, to the mesh's devices, and a compile-only target's devices run nothing.
 
 The kernel wants a sequence length that is a multiple of its blocks (multiples of 128):
 inputs are padded at the end and the padding sliced off. The padding is exact: under a

@@ -22,7 +22,6 @@ compares what actually ran.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -55,7 +54,7 @@ from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, loa
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
 from bov_jax.train.state import TrainState, create_train_state
-from bov_jax.train.step import make_eval_step, make_train_step
+from bov_jax.train.step import make_eval_step, make_train_step, on_mesh
 
 log = logging.getLogger("bov_jax")
 
@@ -434,7 +433,7 @@ class Trainer:
         if jax.process_count() > 1:
             log.warning("train.core_at_end: single-process only; run python -m bov_jax.evals.core")
             return
-        forward = jax.jit(lambda p, ids: nnx.merge(self.graphdef, p)(ids))
+        forward = jax.jit(on_mesh(lambda p, ids: nnx.merge(self.graphdef, p)(ids), self.mesh))
         logits_fn = lambda ids: np.asarray(forward(params, ids))  # noqa: E731
         limit = self.config.train.core_at_end
         core.evaluate_into_workdir(
@@ -531,16 +530,6 @@ def recorded_config(config: Any, streams: int, platform: str) -> dict[str, Any]:
     return recorded
 
 
-def kernel_mesh(config: Any, mesh: jax.sharding.Mesh) -> contextlib.AbstractContextManager:
-    """The ambient mesh the steps are traced under. Splash kernels are not partitioned by
-    XLA: they shard_map over it. An abstract mesh, so that eager work while tracing stays
-    off the mesh's devices (bov_jax/model/splash.py); none for other attention."""
-    impl = resolve_auto("attention_impl", config.model.attention_impl, sharding.platform(mesh))
-    if impl != "splash":
-        return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
-
-
 def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     """Train (or resume) the configured run in `workdir`; returns the final metrics."""
     workdir = Path(workdir)
@@ -568,10 +557,9 @@ def run(config: Any, workdir: str | Path) -> dict[str, Any]:
     )
     stop = StopRequest()
     try:
-        with kernel_mesh(config, mesh):
-            final = train_in(
-                workdir, Trainer(config, workdir, plan, mesh, layout, tokenizer, config_dict, stop)
-            )
+        final = train_in(
+            workdir, Trainer(config, workdir, plan, mesh, layout, tokenizer, config_dict, stop)
+        )
     finally:
         stop.uninstall()
     if is_main and final["finished"] and math.isfinite(final.get("val_bpb", math.nan)):
