@@ -45,6 +45,7 @@ flags.DEFINE_bool("find_rows", False, "Find the largest device_batch_size that f
 flags.DEFINE_list("steps", ["train"], "Steps to compile: train, eval, prefill, decode.")
 flags.DEFINE_float("margin", 0.1, "Share of HBM kept free (runtime, fragmentation).")
 flags.DEFINE_string("json_out", None, "Also write the report to this JSON file.")
+flags.DEFINE_string("hlo_dir", None, "Also write each compiled step's HLO text here.")
 FLAGS = flags.FLAGS
 
 
@@ -105,6 +106,7 @@ def main(argv: list[str]) -> None:
         micro_batches=FLAGS.micro_batches,
         find_rows=FLAGS.find_rows,
         config_name=config_flags.get_config_filename(FLAGS["config"]),
+        hlo_dir=FLAGS.hlo_dir,
     )
     report = run(FLAGS.config, options)
     for line in summary_lines(report):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ from bov_jax import sharding
 from bov_jax.accounting import TrainingPlan, attention_flops_per_token, param_counts
 from bov_jax.compile import hlo
 from bov_jax.compile.targets import Target
+from bov_jax.files import write_text_atomic
 from bov_jax.model import decode
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train.layout import BatchLayout
@@ -156,12 +158,19 @@ def memory(compiled: Any) -> dict[str, float]:
     return {name: round(value / GIB, 4) for name, value in sizes.items()}
 
 
-def analyse(setup: Setup, name: str, lowered: Any, margin: float) -> dict[str, Any]:
-    """Compile one lowered step and read its memory, kernels, collectives and FLOPs."""
+def analyse(
+    setup: Setup, name: str, lowered: Any, margin: float, hlo_dir: str | None = None
+) -> dict[str, Any]:
+    """Compile one lowered step and read its memory, kernels, collectives and FLOPs; with
+    `hlo_dir`, its optimized HLO is written there as <name>.hlo.txt."""
     start, cpu = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    module = hlo.parse(compiled.as_text())
+    text = compiled.as_text()
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(Path(hlo_dir) / f"{name}.hlo.txt", text)
+    module = hlo.parse(text)
     spec, layout = setup.spec, setup.layout()
     shards = setup.mesh.shape["tensor"]
     vocab = {spec.padded_vocab, spec.padded_vocab // shards, spec.vocab_size}
@@ -219,9 +228,11 @@ def train_flops(setup: Setup, layout: BatchLayout, module: hlo.Module) -> dict[s
     }
 
 
-def compile_steps(setup: Setup, names: tuple[str, ...], margin: float) -> dict[str, dict[str, Any]]:
+def compile_steps(
+    setup: Setup, names: tuple[str, ...], margin: float, hlo_dir: str | None = None
+) -> dict[str, dict[str, Any]]:
     lowered = lowered_steps(setup, names)
-    return {name: analyse(setup, name, lowered[name], margin) for name in names}
+    return {name: analyse(setup, name, lowered[name], margin, hlo_dir) for name in names}
 
 
 def row_candidates(setup: Setup) -> list[int]:

@@ -223,16 +223,23 @@ def matmul_flops(module: Module, traced_in: str = "") -> float:
 
 
 def convolution_flops(instruction: Instruction, out: tuple[int, ...], shapes: dict) -> float:
-    """2 x output elements x input features per group x window size."""
+    """2 x output elements x input features per group x the window's taps that meet input.
+
+    A dot with batch dimensions can lower to a convolution whose window spans the batch with
+    an input dilation as large (size=B lhs_dilate=B): only one tap per output meets an input
+    element, so each window axis counts ceil(size / lhs_dilate) taps."""
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
     lhs = next(arrays(shapes.get(instruction.operands[0], "")), (None, ()))[1]
     if not labels or not lhs:
         return 0.0
     features = lhs[labels[1].index("f")]
     groups = re.search(r"feature_group_count=(\d+)", instruction.attributes)
-    window = re.search(r"window=\{size=([\dx]+)", instruction.attributes)
-    size = math.prod(int(s) for s in window[1].split("x")) if window else 1
-    return 2.0 * math.prod(out) * features / (int(groups[1]) if groups else 1) * size
+    window = re.search(r"window=\{([^}]*)\}", instruction.attributes)
+    fields = dict(re.findall(r"(\w+)=([\dx_]+)", window[1])) if window else {}
+    sizes = [int(v) for v in fields.get("size", "1").split("x")]
+    dilations = [int(v) for v in fields.get("lhs_dilate", "x".join("1" * len(sizes))).split("x")]
+    taps = math.prod(-(-size // dilation) for size, dilation in zip(sizes, dilations))
+    return 2.0 * math.prod(out) * features / (int(groups[1]) if groups else 1) * taps
 
 
 def attention_kernels(module: Module) -> dict[str, int]:

@@ -29,6 +29,7 @@ class Options:
     micro_batches: int | None = None
     find_rows: bool = False
     config_name: str = ""
+    hlo_dir: str | None = None  # where the compiled steps' HLO text goes
 
     def check(self) -> None:
         unknown = set(self.steps) - set(aot.STEPS)
@@ -104,7 +105,7 @@ def run(config: Any, options: Options, log: Any = progress) -> dict[str, Any]:
         setup.layout()  # the size is valid before anything compiles
         known = {"train": tried[best]} if options.find_rows else {}
         rest = tuple(name for name in options.steps if name not in known)
-        steps = {**known, **aot.compile_steps(setup, rest, options.margin)}
+        steps = {**known, **aot.compile_steps(setup, rest, options.margin, options.hlo_dir)}
         steps = {name: steps[name] for name in options.steps}
     first = steps[options.steps[0]]
     layout = setup.layout()
