@@ -119,9 +119,7 @@ def test_fp32_logits_buffers_are_detected():
     """Whole-batch fp32 logits (rows x T x V) compiled for the TPU target are reported."""
     devices = targets.target_devices(targets.resolve_target("v5e-4"))
     mesh = sharding.make_mesh(tiny_tpu_config().mesh, devices)
-    h = jax.ShapeDtypeStruct(
-        (4, SEQ, 64), jnp.bfloat16, sharding=sharding.batch_sharding(mesh)
-    )
+    h = jax.ShapeDtypeStruct((4, SEQ, 64), jnp.bfloat16, sharding=sharding.batch_sharding(mesh))
     w = jax.ShapeDtypeStruct((64, 320), jnp.bfloat16, sharding=sharding.replicated(mesh))
     logits = jax.jit(
         lambda h, w: jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
@@ -129,6 +127,19 @@ def test_fp32_logits_buffers_are_detected():
     module = hlo.parse(logits.lower(h, w).compile().as_text())
     assert hlo.large_fp32(module, {320}, 2 * SEQ) == [f"f32[2,{SEQ},320]"]
     assert hlo.large_fp32(module, {320}, 4 * SEQ) == []
+
+
+def test_a_step_the_compiler_refuses_is_reported_as_not_fitting():
+    """The TPU compiler stops at a program that cannot fit; the report keeps its figure."""
+    devices = targets.target_devices(targets.resolve_target("v5e-4"))
+    mesh = sharding.make_mesh(tiny_tpu_config().mesh, devices)
+    x = jax.ShapeDtypeStruct((2**17,), jnp.float32, sharding=sharding.replicated(mesh))
+    square = jax.jit(lambda x: (lambda y: y @ y[:, :128])(jnp.outer(x, x)))  # a 64 GiB y
+    with pytest.raises(jax.errors.JaxRuntimeError) as refused:
+        square.lower(x).compile()
+    report = aot.out_of_memory(refused.value, 1.0, 1.0)
+    assert report["fits"] is False and report["memory_gib"]["peak"] >= 64
+    assert report["compiler_refused"].startswith("RESOURCE_EXHAUSTED")
 
 
 def test_multi_host_slice_mesh_spans_every_chip():

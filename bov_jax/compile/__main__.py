@@ -59,6 +59,11 @@ def summary_lines(report: dict) -> list[str]:
         f"{report['device_batch_size']} rows x {report['seq_len']} per device",
     ]
     for name, step in report["steps"].items():
+        if "compiler_refused" in step:
+            lines.append(
+                f"{name}: does NOT fit, the compiler refused it: {step['compiler_refused']}"
+            )
+            continue
         m = step["memory_gib"]
         collectives = ", ".join(
             f"{kind} {c['count']:.0f}x {c['bytes'] / 2**30:.2f} GiB"

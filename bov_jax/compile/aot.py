@@ -11,6 +11,7 @@ lowered and compiled by the target's compiler.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,12 @@ def analyse(
     """Compile one lowered step and read its memory, kernels, collectives and FLOPs; with
     `hlo_dir`, its optimized HLO is written there as <name>.hlo.txt."""
     start, cpu = time.perf_counter(), time.process_time()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return out_of_memory(err, time.perf_counter() - start, time.process_time() - cpu)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     text = compiled.as_text()
     if hlo_dir:
@@ -197,6 +203,21 @@ def analyse(
     if name == "train":
         report["flops"] = train_flops(setup, layout, module)
     return report
+
+
+def out_of_memory(err: Exception, seconds: float, cpu: float) -> dict[str, Any]:
+    """The report of a step the compiler refused for want of HBM (the TPU compiler stops at
+    "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm ..."), with what it needed."""
+    message = next(line for line in str(err).splitlines() if "RESOURCE_EXHAUSTED" in line)
+    needed = re.search(r"required[^(]*\(([\d.]+)([KMGT])", message)
+    scale = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}
+    return {
+        "compile_seconds": round(seconds, 1),
+        "compile_cpu_seconds": round(cpu, 1),
+        "memory_gib": {"peak": float(needed[1]) * scale[needed[2]] if needed else None},
+        "fits": False,
+        "compiler_refused": message.strip(),
+    }
 
 
 def train_flops(setup: Setup, layout: BatchLayout, module: hlo.Module) -> dict[str, Any]:
@@ -262,10 +283,12 @@ def largest_fitting_rows(
         rows = candidates[middle]
         setup.config.train.device_batch_size = rows
         tried[rows] = compile_steps(setup, ("train",), margin)["train"]
+        peak = tried[rows]["memory_gib"]["peak"]
         log(
-            f"  device_batch_size={rows}: peak {tried[rows]['memory_gib']['peak']:.2f} GiB, "
-            f"{'fits' if tried[rows]['fits'] else 'does not fit'} "
-            f"({tried[rows]['compile_seconds']:.0f} s)"
+            f"  device_batch_size={rows}: peak "
+            + (f"{peak:.2f} GiB, " if peak is not None else "unknown, ")
+            + ("fits" if tried[rows]["fits"] else "does not fit")
+            + f" ({tried[rows]['compile_seconds']:.0f} s)"
         )
         if tried[rows]["fits"]:
             best, low = rows, middle + 1
