@@ -65,6 +65,13 @@ def make_mesh(mesh_cfg: Any, devices: list | None = None) -> jax.sharding.Mesh:
     )
 
 
+def platform(mesh: jax.sharding.Mesh) -> str:
+    """ "cpu", "gpu" or "tpu": the platform of the mesh's devices, which may be those of a
+    compile-only target (bov_jax.compile) rather than this host's backend."""
+    name = mesh.devices.flat[0].platform
+    return "gpu" if name in ("cuda", "rocm") else name
+
+
 def logical_to_mesh(logical: PartitionSpec | tuple | None) -> PartitionSpec:
     """('vocab', 'embed') -> P('tensor', 'fsdp'); unnamed axes stay replicated."""
     if logical is None:

@@ -153,10 +153,10 @@ def test_greedy_generation_follows_the_full_forward_and_is_deterministic(bov_mod
 
 def test_decode_compiles_once_per_shape(bov_model):
     decode.generate(bov_model, PROMPTS, 8)
-    before = decode._decode._cache_size()
+    before = decode.decode_loop._cache_size()
     decode.generate(bov_model, PROMPTS, 5, temperature=0.5, seed=1)
     decode.generate(random_model("d12_bov", seed=4, depth=2), PROMPTS, 7)  # same structure
-    assert decode._decode._cache_size() == before
+    assert decode.decode_loop._cache_size() == before
 
 
 def test_top_k_sampling_is_reproducible_and_picks_only_from_the_top_k(bov_model):

@@ -219,7 +219,7 @@ class Prefilled(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "dtype", "eliminate_bank_v"))
-def _prefill(
+def prefill_step(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     tokens: jax.Array,
@@ -238,7 +238,7 @@ def _prefill(
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "top_k"), donate_argnames=("cache", "tokens")
 )
-def _decode(
+def decode_loop(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     cache: KVCache,
@@ -308,7 +308,7 @@ class Engine:
         tokens = np.zeros((len(prompts), max_len), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
-        logits, cache = _prefill(
+        logits, cache = prefill_step(
             self.graphdef,
             self.state,
             jnp.asarray(tokens[:, : lens.min()]),
@@ -328,7 +328,7 @@ class Engine:
         stop_tokens: Sequence[int] = (),
     ) -> jax.Array:
         """Run the jitted decode loop on a prefilled batch (consumed); returns tokens (B, S)."""
-        tokens, _ = _decode(
+        tokens, _ = decode_loop(
             self.graphdef,
             self.state,
             *batch,

@@ -17,15 +17,17 @@ ATTENTION_IMPLS = ("xla", "cudnn", "splash")
 AUTO = "auto"
 
 
-def resolve_auto(key: str, value: str) -> str:
-    """'auto' picks by backend: bf16 compute and bf16 tables (wte, value banks) with cuDNN
+def resolve_auto(key: str, value: str, platform: str | None = None) -> str:
+    """'auto' picks by platform: bf16 compute and bf16 tables (wte, value banks) with cuDNN
     attention on GPUs, bf16 and splash attention on TPUs, fp32 and XLA attention on CPUs.
 
     `key` is "compute_dtype", "table_dtype" or "attention_impl"; other values pass through.
+    `platform` ("cpu", "gpu", "tpu") is that of the devices the model is compiled for
+    (`bov_jax.sharding.platform(mesh)`), by default this host's backend.
     """
     if value != AUTO:
         return value
-    backend = jax.default_backend()
+    backend = platform or jax.default_backend()
     if key in ("compute_dtype", "table_dtype"):
         return "float32" if backend == "cpu" else "bfloat16"
     return {"gpu": "cudnn", "tpu": "splash"}.get(backend, "xla")
@@ -69,8 +71,10 @@ class ModelSpec:
         return math.sqrt(3.0) / math.sqrt(self.d_model)
 
     @classmethod
-    def from_config(cls, m: Any) -> ModelSpec:
-        """Resolve `config.model`; raises ValueError naming the offending key."""
+    def from_config(cls, m: Any, platform: str | None = None) -> ModelSpec:
+        """Resolve `config.model` for `platform` ("cpu", "gpu", "tpu"; default: this host's
+        backend), which decides the `auto` choices; raises ValueError naming the offending key.
+        """
         for key in (
             "depth",
             "aspect_ratio",
@@ -104,7 +108,7 @@ class ModelSpec:
                 f"model.attention_impl={m.attention_impl!r}; expected one of "
                 f"{(*ATTENTION_IMPLS, AUTO)}"
             )
-        if m.attention_impl == "splash" and jax.default_backend() == "gpu":
+        if m.attention_impl == "splash" and (platform or jax.default_backend()) == "gpu":
             raise ValueError(
                 "model.attention_impl='splash' is the TPU (Pallas) kernel, interpreted off "
                 "TPU; on GPUs use 'cudnn' or 'xla'"
@@ -135,9 +139,9 @@ class ModelSpec:
             smear_channels=m.smear_channels,
             logit_softcap=float(m.logit_softcap),
             param_dtype=DTYPES[m.param_dtype],
-            compute_dtype=DTYPES[resolve_auto("compute_dtype", m.compute_dtype)],
-            table_dtype=DTYPES[resolve_auto("table_dtype", m.table_dtype)],
-            attention_impl=resolve_auto("attention_impl", m.attention_impl),
+            compute_dtype=DTYPES[resolve_auto("compute_dtype", m.compute_dtype, platform)],
+            table_dtype=DTYPES[resolve_auto("table_dtype", m.table_dtype, platform)],
+            attention_impl=resolve_auto("attention_impl", m.attention_impl, platform),
             value_path=ValuePathSpec.from_config(m.value_path),
             loss_chunk_tokens=m.loss_chunk_tokens,
         )

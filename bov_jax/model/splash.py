@@ -1,8 +1,14 @@
 """TPU splash attention (Pallas) for the causal and sliding-window layers.
 
 jax's own kernel (`jax.experimental.pallas.ops.tpu.splash_attention`) skips the blocks a
-mask leaves empty, so a window-W layer costs O(T * W) instead of XLA's O(T^2). Off TPU it
-runs in Pallas interpret mode (slow; for tests only).
+mask leaves empty, so a window-W layer costs O(T * W) instead of XLA's O(T^2). It is compiled
+natively when the ambient mesh's devices are TPUs (also a compile-only TPU target on a CPU
+host, bov_jax.compile), else, or without a mesh, for this host's backend; off TPU it runs in
+Pallas interpret mode (slow; for tests only).
+
+The train and eval steps trace under their mesh as an abstract mesh (bov_jax.train.step.
+on_mesh): `jax.set_mesh` would also send eager work during tracing, where the kernel builds
+its mask tables, to the mesh's devices, and a compile-only target's devices run nothing.
 
 The kernel wants a sequence length that is a multiple of its blocks (multiples of 128):
 inputs are padded at the end and the padding sliced off. The padding is exact: under a
@@ -64,6 +70,13 @@ def make_kernel(
         )
 
 
+def kernel_platform() -> str:
+    """The platform the kernel is traced for: the ambient mesh's devices', else this host's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int, block: int | None) -> jax.Array:
     """Splash attention on one device's shard. q, k, v: (B, T, H, hd) -> (B, T, H, hd)."""
     _, seq, heads, head_dim = q.shape
@@ -71,7 +84,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int, block: int | 
     block = block or block_size(padded)
     if padded % block:
         raise ValueError(f"splash block {block} does not divide the padded length {padded}")
-    interpret = jax.default_backend() != "tpu"
+    interpret = kernel_platform() != "tpu"
     splash = make_kernel(padded, heads, window, block, interpret)
 
     def heads_major(x: jax.Array) -> jax.Array:  # (B, T, H, hd) -> (B, H, T_pad, hd)
@@ -89,7 +102,7 @@ def attention(
 
     q, k, v: (B, T, H, hd) -> (B, T, H, hd); softmax scale 1/sqrt(hd); block: the kernel's
     block size (default: the largest of BLOCKS dividing T rounded up to 128). Pallas
-    kernels are not partitioned by XLA: under an ambient mesh (`jax.set_mesh`) with
+    kernels are not partitioned by XLA: under an ambient mesh (module doc) with
     bov_jax.sharding's axes, each device runs the kernel on its batch rows and heads.
     """
     attend = functools.partial(_attend, window=window, block=block)

@@ -38,7 +38,10 @@ class BatchLayout:
     eval_rows_per_process: int
 
     @classmethod
-    def resolve(cls, config: Any, plan: TrainingPlan, mesh: jax.sharding.Mesh) -> BatchLayout:
+    def resolve(
+        cls, config: Any, plan: TrainingPlan, mesh: jax.sharding.Mesh, processes: int = 0
+    ) -> BatchLayout:
+        """`processes`: the processes the mesh spans, 0 for this run's (jax.process_count())."""
         seq_len = config.model.seq_len
         batch_devices = sharding.batch_size_per_step(mesh)
         micro_rows = config.train.device_batch_size * batch_devices
@@ -51,7 +54,7 @@ class BatchLayout:
                 + divisibility_fix(tokens, seq_len, batch_devices, config.train.device_batch_size)
             )
         rows = tokens // seq_len
-        processes = jax.process_count()
+        processes = processes or jax.process_count()
         if micro_rows % processes:
             raise ValueError(
                 f"{micro_rows} rows per micro-batch do not split over {processes} processes"

@@ -57,7 +57,7 @@ from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, loa
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
 from bov_jax.train.state import TrainState, create_train_state
-from bov_jax.train.step import make_eval_step, make_train_step
+from bov_jax.train.step import make_eval_step, make_train_step, on_mesh
 
 log = logging.getLogger("bov_jax")
 
@@ -483,7 +483,7 @@ class Trainer:
         if jax.process_count() > 1:
             log.warning("train.core_at_end: single-process only; run python -m bov_jax.evals.core")
             return
-        forward = jax.jit(lambda p, ids: nnx.merge(self.graphdef, p)(ids))
+        forward = jax.jit(on_mesh(lambda p, ids: nnx.merge(self.graphdef, p)(ids), self.mesh))
         logits_fn = lambda ids: np.asarray(forward(params, ids))  # noqa: E731
         limit = self.config.train.core_at_end
         core.evaluate_into_workdir(
@@ -569,12 +569,13 @@ def prepare_token_cache(data_cfg: Any, tokenizer: Tokenizer) -> None:
         multihost_utils.sync_global_devices("bov_jax token cache ready")
 
 
-def recorded_config(config: Any, streams: int) -> dict[str, Any]:
+def recorded_config(config: Any, streams: int, platform: str) -> dict[str, Any]:
     """The config as written to config.json and checkpoints: `auto` and 0 choices resolved
-    as on this machine (compute dtype, attention, data streams) and the data's fingerprint."""
+    as for the mesh's `platform` (compute dtype, attention, data streams) and the data's
+    fingerprint."""
     recorded = json.loads(config.to_json_best_effort())
     for key in ("compute_dtype", "attention_impl"):
-        recorded["model"][key] = resolve_auto(key, config.model[key])
+        recorded["model"][key] = resolve_auto(key, config.model[key], platform)
     recorded["train"]["data_streams"] = streams
     recorded[DATA_FILES] = data_fingerprint(config.data)
     return recorded
@@ -634,7 +635,7 @@ def run_in(config: Any, workdir: Path) -> dict[str, Any]:
     )
     prepare_token_cache(config.data, tokenizer)
     is_main = jax.process_index() == 0
-    config_dict = recorded_config(config, streams)
+    config_dict = recorded_config(config, streams, sharding.platform(mesh))
     log_setup(config_dict, workdir)
     log.info("plan: %s", json.dumps(plan.summary()))
     cost = evaluation_cost(config, plan)
@@ -653,13 +654,10 @@ def run_in(config: Any, workdir: Path) -> dict[str, Any]:
         streams,
     )
     stop = StopRequest()
-    # Splash kernels are not partitioned by XLA: they shard_map over the ambient mesh.
-    splash = resolve_auto("attention_impl", config.model.attention_impl) == "splash"
     try:
-        with jax.set_mesh(mesh) if splash else contextlib.nullcontext():
-            final = train_in(
-                workdir, Trainer(config, workdir, plan, mesh, layout, tokenizer, config_dict, stop)
-            )
+        final = train_in(
+            workdir, Trainer(config, workdir, plan, mesh, layout, tokenizer, config_dict, stop)
+        )
     finally:
         stop.uninstall()
     if is_main and final["finished"] and math.isfinite(final.get("val_bpb", math.nan)):

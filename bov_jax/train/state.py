@@ -10,6 +10,7 @@ pinned to those shardings; the optimizer moments inherit them by propagation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -67,11 +68,16 @@ def make_optimizer(
     )
 
 
-def create_train_state(
+def train_state_init(
     config: Any, plan: TrainingPlan, mesh
-) -> tuple[nnx.GraphDef, TrainState, TrainState, optax.GradientTransformation]:
-    """(graphdef, state, state shardings, optimizer), the state placed on `mesh`."""
-    spec = ModelSpec.from_config(config.model)
+) -> tuple[nnx.GraphDef, Callable[[], TrainState], optax.GradientTransformation]:
+    """(graphdef, jitted initialiser of the state on `mesh`, optimizer), nothing allocated.
+
+    The model is built for the platform of the mesh's devices (its `auto` choices). Calling
+    the initialiser creates the state; `init.lower().compile()` gives its shardings without
+    allocating it (bov_jax.compile, for a target this host does not have).
+    """
+    spec = ModelSpec.from_config(config.model, sharding.platform(mesh))
     graphdef, abstract_params, logical = build_model_graph(spec, config.seed)
     param_shardings = sharding.shardings_for(logical, mesh)
     tx = make_optimizer(config, plan, abstract_params, mesh)
@@ -88,5 +94,13 @@ def create_train_state(
             rng=jax.random.key_data(jax.random.key(config.seed + 1)),
         )
 
-    state = jax.jit(init)()
+    return graphdef, jax.jit(init), tx
+
+
+def create_train_state(
+    config: Any, plan: TrainingPlan, mesh
+) -> tuple[nnx.GraphDef, TrainState, TrainState, optax.GradientTransformation]:
+    """(graphdef, state, state shardings, optimizer), the state placed on `mesh`."""
+    graphdef, init, tx = train_state_init(config, plan, mesh)
+    state = init()
     return graphdef, state, jax.tree.map(lambda x: x.sharding, state), tx

@@ -12,6 +12,7 @@ or a parameter); otherwise the state is left unchanged and the step reports
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,20 @@ from bov_jax import sharding
 from bov_jax.evals.bpb import bpb_sums
 from bov_jax.model.gpt import dense_kernels_in
 from bov_jax.train.state import TrainState, all_finite
+
+
+def on_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
+    """`fn` traced with `mesh` as the ambient mesh: kernels XLA does not partition (splash
+    attention) shard_map over it. An abstract mesh only (`jax.sharding.use_abstract_mesh`),
+    so that eager work during tracing (the kernel's mask tables) stays on this host's default
+    device, also when the mesh holds a compile-only target's devices (bov_jax.compile)."""
+
+    @functools.wraps(fn)
+    def traced(*args: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    return traced
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: jax.Array):
@@ -82,7 +97,7 @@ def make_train_step(
 
     batch_sh = sharding.batch_sharding(mesh, leading=1)
     return jax.jit(
-        train_step,
+        on_mesh(train_step, mesh),
         in_shardings=(state_shardings, {"inputs": batch_sh, "targets": batch_sh}),
         out_shardings=(state_shardings, sharding.replicated(mesh)),
         donate_argnums=0,
@@ -102,7 +117,7 @@ def make_eval_step(
     batch_sh = sharding.batch_sharding(mesh)
     rep = sharding.replicated(mesh)
     return jax.jit(
-        eval_step,
+        on_mesh(eval_step, mesh),
         in_shardings=(state_shardings.params, {"inputs": batch_sh, "targets": batch_sh}, rep),
         out_shardings=(rep, rep),
     )

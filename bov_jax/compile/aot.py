@@ -1,0 +1,306 @@
+"""Compile the steps `main` runs for a target's devices, from abstract state.
+
+`Setup` builds what `bov_jax.train.loop` builds — the mesh over the target's devices (every
+host's), the batch layout, the model, optimizer and the jitted initialiser of the state
+(`train_state_init`) — without allocating anything: the initialiser is compiled for its
+output shardings, and the state is ShapeDtypeStructs carrying them. The steps are the loop's
+own (`make_train_step`, `make_eval_step`, the decode engine's prefill and decode loop),
+lowered and compiled by the target's compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bov_jax import sharding
+from bov_jax.accounting import TrainingPlan, attention_flops_per_token, param_counts
+from bov_jax.compile import hlo
+from bov_jax.compile.targets import Target
+from bov_jax.files import write_text_atomic
+from bov_jax.model import decode
+from bov_jax.model.spec import ModelSpec
+from bov_jax.train.layout import BatchLayout
+from bov_jax.train.state import TrainState, train_state_init
+from bov_jax.train.step import make_eval_step, make_train_step
+
+GIB = 2**30
+STEPS = ("train", "eval", "prefill", "decode")
+MICRO_BATCH_SCAN = "jit(train_step)/while/body/"  # op_name prefix of the scan's ops
+DECODE_PROMPT = 8  # tokens of the prompt a decode is compiled for (one row, as main samples)
+
+
+def abstract(shape: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `shape` (a tree of them) carrying `shardings` (the same tree)."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape, shardings
+    )
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything the steps need, built as `loop.run` and `Trainer` build it, abstractly."""
+
+    config: Any
+    target: Target
+    mesh: jax.sharding.Mesh
+    plan: TrainingPlan
+    processes: int
+    spec: ModelSpec
+    graphdef: Any
+    tx: Any
+    shardings: TrainState
+    state: TrainState  # ShapeDtypeStructs with shardings
+
+    @classmethod
+    def build(cls, config: Any, target: Target, devices: list, plan: TrainingPlan) -> Setup:
+        mesh = sharding.make_mesh(config.mesh, devices)
+        graphdef, init, tx = train_state_init(config, plan, mesh)
+        shardings = init.lower().compile().output_shardings
+        state = abstract(jax.eval_shape(init), shardings)
+        spec = ModelSpec.from_config(config.model, sharding.platform(mesh))
+        processes = len({d.process_index for d in devices})
+        return cls(config, target, mesh, plan, processes, spec, graphdef, tx, shardings, state)
+
+    def layout(self) -> BatchLayout:
+        return BatchLayout.resolve(self.config, self.plan, self.mesh, self.processes)
+
+    def tokens(self, shape: tuple[int, ...], leading: int = 0) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(
+            shape, jnp.int32, sharding=sharding.batch_sharding(self.mesh, leading)
+        )
+
+    def replicated(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated(self.mesh))
+
+
+def lowered_steps(setup: Setup, names: tuple[str, ...]) -> dict[str, Any]:
+    """{name: lowered step} for `names` out of STEPS."""
+    config, spec, layout = setup.config, setup.spec, setup.layout()
+    seq = spec.seq_len
+    out = {}
+    if "train" in names:
+        fault_step = config.train.fault_nonfinite_step
+        step = make_train_step(setup.graphdef, setup.tx, setup.shardings, setup.mesh, fault_step)
+        batch = setup.tokens((layout.accum, layout.micro_rows, seq), leading=1)
+        out["train"] = step.lower(setup.state, {"inputs": batch, "targets": batch})
+    if "eval" in names:
+        step = make_eval_step(setup.graphdef, setup.shardings, setup.mesh)
+        batch = setup.tokens((layout.micro_rows, seq))
+        token_bytes = setup.replicated((spec.vocab_size,), jnp.int32)
+        out["eval"] = step.lower(
+            setup.state.params, {"inputs": batch, "targets": batch}, token_bytes
+        )
+    if "prefill" in names or "decode" in names:
+        out.update(lowered_decode(setup, names))
+    return out
+
+
+def lowered_decode(setup: Setup, names: tuple[str, ...]) -> dict[str, Any]:
+    """The sampling engine's prefill and decode loop for one row over a cache of seq_len
+    slots (what `main` runs for its samples), with the training parameters' shardings."""
+    spec, params = setup.spec, setup.state.params
+    slots = -(-spec.seq_len // decode.SLOT_MULTIPLE) * decode.SLOT_MULTIPLE
+    static = dict(max_len=slots, dtype=jnp.dtype(spec.compute_dtype), eliminate_bank_v=True)
+    prompt = setup.replicated((1, DECODE_PROMPT), jnp.int32)
+    prefill = decode.prefill_step.lower(setup.graphdef, params, prompt, **static)
+    out = {"prefill": prefill} if "prefill" in names else {}
+    if "decode" in names:
+        compiled = prefill.compile()
+        logits, cache = abstract(
+            jax.eval_shape(
+                lambda p, t: decode.prefill_step(setup.graphdef, p, t, **static), params, prompt
+            ),
+            compiled.output_shardings,
+        )
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        rep = setup.replicated
+        out["decode"] = decode.decode_loop.lower(
+            setup.graphdef,
+            params,
+            cache,
+            rep((1, slots), jnp.int32),
+            logits,
+            rep((1,), jnp.int32),
+            rep((), jnp.int32),
+            rep((), jnp.float32),
+            rep(key.shape, key.dtype),
+            rep((1,), jnp.int32),
+            top_k=None,
+        )
+    return out
+
+
+def memory(compiled: Any) -> dict[str, float]:
+    """Per-device bytes, in GiB: arguments, outputs, aliased (donated) outputs, temporaries,
+    and the peak: arguments + outputs - aliased + temporaries."""
+    m = compiled.memory_analysis()
+    peak = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+    sizes = {
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+        "temporary": m.temp_size_in_bytes,
+        "generated_code": m.generated_code_size_in_bytes,
+        "peak": peak,
+    }
+    return {name: round(value / GIB, 4) for name, value in sizes.items()}
+
+
+def analyse(
+    setup: Setup, name: str, lowered: Any, margin: float, hlo_dir: str | None = None
+) -> dict[str, Any]:
+    """Compile one lowered step and read its memory, kernels, collectives and FLOPs; with
+    `hlo_dir`, its optimized HLO is written there as <name>.hlo.txt."""
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return out_of_memory(err, time.perf_counter() - start, time.process_time() - cpu)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    text = compiled.as_text()
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(Path(hlo_dir) / f"{name}.hlo.txt", text)
+    module = hlo.parse(text)
+    spec, layout = setup.spec, setup.layout()
+    shards = setup.mesh.shape["tensor"]
+    vocab = {spec.padded_vocab, spec.padded_vocab // shards, spec.vocab_size}
+    rows = setup.config.train.device_batch_size
+    mem = memory(compiled)
+    hbm = setup.target.hbm_bytes / GIB
+    kernels = hlo.attention_kernels(module)
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    report = {
+        "compile_seconds": round(seconds, 1),
+        "compile_cpu_seconds": round(cpu, 1),
+        "memory_gib": mem,
+        "fits": mem["peak"] <= hbm * (1 - margin),
+        "attention_kernels": kernels["splash"] + kernels["cudnn"],
+        "kernels": kernels,
+        "interpreted_kernel_ops": hlo.interpreted_kernel_ops(module),
+        "loop_trip_counts": hlo.loop_trip_counts(module),
+        "collectives": hlo.collectives(module),
+        "fp32_logits_buffers": hlo.large_fp32(module, vocab, rows * spec.seq_len),
+        "xla_matmul_flops_per_device": hlo.matmul_flops(module),
+        "xla_cost_analysis_flops_per_device": cost.get("flops"),
+    }
+    if name == "train":
+        report["flops"] = train_flops(setup, layout, module)
+    return report
+
+
+def out_of_memory(err: Exception, seconds: float, cpu: float) -> dict[str, Any]:
+    """The report of a step the compiler refused for want of HBM (the TPU compiler stops at
+    "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm ..."), with what it needed."""
+    message = next(line for line in str(err).splitlines() if "RESOURCE_EXHAUSTED" in line)
+    needed = re.search(r"required[^(]*\(([\d.]+)([KMGT])", message)
+    scale = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}
+    return {
+        "compile_seconds": round(seconds, 1),
+        "compile_cpu_seconds": round(cpu, 1),
+        "memory_gib": {"peak": float(needed[1]) * scale[needed[2]] if needed else None},
+        "fits": False,
+        "compiler_refused": message.strip(),
+    }
+
+
+def train_flops(setup: Setup, layout: BatchLayout, module: hlo.Module) -> dict[str, Any]:
+    """The step's FLOPs: XLA's (dots and convolutions of the compiled program, loop trip
+    counts applied, summed over the chips) against bov_jax.accounting's analytic count.
+
+    The model's share is what was traced inside the micro-batch scan (forward, backward and
+    loss); the rest is the optimizer's (Muon's orthogonalisation, replicated on every chip).
+    Attention inside kernels (splash, cuDNN) is not a dot XLA sees, and XLA's own attention
+    computes every T x T score; so the comparable analytic figure is the matmul part plus,
+    for XLA attention only, full (not windowed) attention."""
+    spec = setup.spec
+    tokens = layout.rows_per_step * spec.seq_len
+    matmul = 6 * param_counts(spec).flop_matmul * tokens
+    full_attention = 12 * spec.n_head * spec.head_dim * spec.seq_len * spec.n_layer * tokens
+    in_kernels = spec.attention_impl in ("splash", "cudnn")
+    comparable = matmul + (0 if in_kernels else full_attention)
+    xla = hlo.matmul_flops(module) * setup.mesh.size
+    model = hlo.matmul_flops(module, traced_in=MICRO_BATCH_SCAN) * setup.mesh.size
+    return {
+        "xla_per_step": xla,
+        "xla_model_per_step": model,
+        "xla_optimizer_per_step": xla - model,
+        "analytic_per_step": setup.plan.flops_per_token * tokens,
+        "analytic_matmul_per_step": matmul,
+        "analytic_attention_per_step": attention_flops_per_token(spec) * tokens,
+        "comparable_analytic_per_step": comparable,
+        "xla_model_over_comparable": model / comparable,
+    }
+
+
+def compile_steps(
+    setup: Setup, names: tuple[str, ...], margin: float, hlo_dir: str | None = None
+) -> dict[str, dict[str, Any]]:
+    lowered = lowered_steps(setup, names)
+    return {name: analyse(setup, name, lowered[name], margin, hlo_dir) for name in names}
+
+
+def row_candidates(setup: Setup) -> list[int]:
+    """Every train.device_batch_size that splits the step's rows into whole micro-batches
+    over the batch devices (and the processes), ascending."""
+    rows = setup.plan.total_batch_tokens // setup.config.model.seq_len
+    per_device = rows // sharding.batch_size_per_step(setup.mesh)
+    batch_devices = sharding.batch_size_per_step(setup.mesh)
+    return [
+        r
+        for r in range(1, per_device + 1)
+        if per_device % r == 0 and (r * batch_devices) % setup.processes == 0
+    ]
+
+
+def largest_fitting_rows(
+    setup: Setup, margin: float, log: Any = print
+) -> tuple[int | None, dict[int, dict]]:
+    """Binary search over `row_candidates` for the largest device_batch_size whose train
+    step fits (memory grows with the rows); returns it (None if even 1 row does not fit)
+    and the train report of every size tried."""
+    candidates = row_candidates(setup)
+    tried: dict[int, dict] = {}
+    low, high, best = 0, len(candidates) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        rows = candidates[middle]
+        setup.config.train.device_batch_size = rows
+        tried[rows] = compile_steps(setup, ("train",), margin)["train"]
+        peak = tried[rows]["memory_gib"]["peak"]
+        log(
+            f"  device_batch_size={rows}: peak "
+            + (f"{peak:.2f} GiB, " if peak is not None else "unknown, ")
+            + ("fits" if tried[rows]["fits"] else "does not fit")
+            + f" ({tried[rows]['compile_seconds']:.0f} s)"
+        )
+        if tried[rows]["fits"]:
+            best, low = rows, middle + 1
+        else:
+            high = middle - 1
+    return best, tried
+
+
+def mesh_summary(setup: Setup) -> dict[str, Any]:
+    return {
+        "mesh": dict(setup.mesh.shape),
+        "chips": setup.mesh.size,
+        "hosts": setup.processes,
+        "device_kind": np.asarray(setup.mesh.devices).flat[0].device_kind,
+    }

@@ -1,0 +1,297 @@
+"""What a compiled step holds, read off its optimized HLO text (`compiled.as_text()`).
+
+The text is one module of computations; instructions name their operands and the
+computations they call (fusions, while bodies, reductions). A while loop with a known trip
+count (the micro-batch scan, the chunked loss) runs its body that many times, so everything
+below is counted per step: each computation's instructions weigh as often as the entry
+reaches it through the call graph. All figures are per device (the module is the
+partitioned, per-device program).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
+ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([^\]]*)\]")
+HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# Attention kernels: splash (a Mosaic custom call named after its kernel) and cuDNN fMHA.
+MOSAIC_TARGET = "tpu_custom_call"
+CUDNN_ATTENTION = "__cudnn$fmha"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str  # the result's shape text: "bf16[4,256]{...}" or a tuple "(f32[2], s32[])"
+    opcode: str
+    arguments: str  # the text inside the parentheses: operand names, or a constant's value
+    attributes: str  # everything after the operand list
+
+    @property
+    def operands(self) -> tuple[str, ...]:
+        return tuple(re.findall(r"%([\w.\-]+)", self.arguments))
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, list[Instruction]]
+    entry: str
+
+    @property
+    def shapes(self) -> dict[str, str]:
+        return {i.name: i.shape for body in self.computations.values() for i in body}
+
+
+def arrays(shape: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in a shape text (a tuple gives several)."""
+    for dtype, dims in ARRAY.findall(shape):
+        yield dtype, tuple(int(re.sub(r"\D", "", d)) for d in dims.split(",") if d.strip())
+
+
+def shape_bytes(shape: str) -> float:
+    return sum(DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in arrays(shape))
+
+
+def split_closing(text: str, start: int) -> int:
+    """The index just past the parenthesis closing the one at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    match = INSTRUCTION.match(line)
+    if not match:
+        return None
+    name, rest = match.groups()
+    end = split_closing(rest, 0) if rest.startswith("(") else rest.find(" ")
+    shape, rest = rest[:end], rest[end:].strip()
+    paren = rest.find("(")
+    if paren < 0:
+        return None
+    opcode = rest[:paren]
+    close = split_closing(rest, paren)
+    return Instruction(name, shape, opcode, rest[paren + 1 : close - 1], rest[close:])
+
+
+def parse(text: str) -> Module:
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = HEADER.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            entry = current if header.group(1) else entry
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            instruction = parse_instruction(line)
+            if instruction:
+                computations[current].append(instruction)
+    return Module(computations, entry)
+
+
+def trip_count(module: Module, loop: Instruction) -> int:
+    """A while loop's trip count: XLA's known_trip_count where it notes one, else the bound of
+    a counter compared `< constant` in the condition (lax.scan and fori_loop count from 0 by
+    1); 1 where neither is found."""
+    known = TRIP_COUNT.search(loop.attributes)
+    if known:
+        return int(known[1])
+    condition = re.search(r"condition=%?([\w.\-]+)", loop.attributes)
+    body = module.computations.get(condition[1], []) if condition else []
+    constants = {i.name: i.arguments for i in body if i.opcode == "constant"}
+    for instruction in body:
+        if instruction.opcode == "compare" and "direction=LT" in instruction.attributes:
+            bounds = [constants[o] for o in instruction.operands[1:] if o in constants]
+            if bounds and bounds[0].strip().isdigit():
+                return int(bounds[0])
+    return 1
+
+
+def multiplicities(module: Module) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry (a while body times
+    its loop's `trip_count`)."""
+    names = set(module.computations)
+    calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+    for caller, body in module.computations.items():
+        for instruction in body:
+            body_name = re.search(r"body=%?([\w.\-]+)", instruction.attributes)
+            for callee in re.findall(r"%([\w.\-]+)", instruction.attributes):
+                if callee in names:
+                    loop = instruction.opcode == "while" and body_name and callee == body_name[1]
+                    calls[caller].append((callee, trip_count(module, instruction) if loop else 1))
+    counts: dict[str, int] = collections.defaultdict(int)
+
+    def visit(name: str, times: int) -> None:
+        counts[name] += times
+        for callee, factor in calls[name]:
+            visit(callee, times * factor)
+
+    visit(module.entry, 1)
+    return dict(counts)
+
+
+def weighted(module: Module) -> Iterator[tuple[Instruction, int]]:
+    """Every instruction with how often it runs per step."""
+    for name, times in multiplicities(module).items():
+        for instruction in module.computations[name]:
+            yield instruction, times
+
+
+def collective_kind(opcode: str) -> str | None:
+    base = opcode.removesuffix("-start")
+    return base if base in COLLECTIVES and not opcode.endswith("-done") else None
+
+
+def collectives(module: Module) -> dict[str, dict[str, float]]:
+    """{kind: {"count": ops per step, "bytes": bytes per step}} per device: the gathered
+    result of an all-gather, the operands of the others (what each device sends in)."""
+    shapes = module.shapes
+    out: dict[str, dict[str, float]] = {}
+    for instruction, times in weighted(module):
+        kind = collective_kind(instruction.opcode)
+        if kind is None:
+            continue
+        if kind == "all-gather":
+            results = list(arrays(instruction.shape))
+            size = sum(
+                DTYPE_BYTES[d] * math.prod(s) for d, s in results[-len(instruction.operands) :]
+            )
+        else:
+            size = sum(shape_bytes(shapes.get(o, "")) for o in instruction.operands)
+        entry = out.setdefault(kind, {"count": 0, "bytes": 0.0})
+        entry["count"] += times
+        entry["bytes"] += times * size
+    return dict(sorted(out.items()))
+
+
+def op_name(instruction: Instruction) -> str:
+    """The jax name stack the instruction was traced under (its metadata's op_name)."""
+    found = re.search(r'op_name="([^"]*)"', instruction.attributes)
+    return found[1] if found else ""
+
+
+def matmul_flops(module: Module, traced_in: str = "") -> float:
+    """2 x multiply-adds of every dot and convolution, per step, per device; with
+    `traced_in`, only those whose op_name contains it (e.g. "/while/body/": traced inside a
+    lax.scan, whether or not XLA kept the loop)."""
+    shapes = module.shapes
+    total = 0.0
+    for instruction, times in weighted(module):
+        if traced_in not in op_name(instruction):
+            continue
+        out = [dims for _, dims in arrays(instruction.shape)]
+        if instruction.opcode == "dot" and out:
+            lhs = next(arrays(shapes.get(instruction.operands[0], "")), (None, ()))[1]
+            dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attributes)
+            contracted = [lhs[int(d)] for d in dims[1].split(",") if d] if dims else []
+            total += times * 2 * math.prod(out[0]) * math.prod(contracted)
+        elif instruction.opcode == "convolution" and out:
+            total += times * convolution_flops(instruction, out[0], shapes)
+    return total
+
+
+def convolution_flops(instruction: Instruction, out: tuple[int, ...], shapes: dict) -> float:
+    """2 x output elements x input features per group x the window's taps that meet input.
+
+    A dot with batch dimensions can lower to a convolution whose window spans the batch with
+    an input dilation as large (size=B lhs_dilate=B): only one tap per output meets an input
+    element, so each window axis counts ceil(size / lhs_dilate) taps."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
+    lhs = next(arrays(shapes.get(instruction.operands[0], "")), (None, ()))[1]
+    if not labels or not lhs:
+        return 0.0
+    features = lhs[labels[1].index("f")]
+    groups = re.search(r"feature_group_count=(\d+)", instruction.attributes)
+    window = re.search(r"window=\{([^}]*)\}", instruction.attributes)
+    fields = dict(re.findall(r"(\w+)=([\dx_]+)", window[1])) if window else {}
+    sizes = [int(v) for v in fields.get("size", "1").split("x")]
+    dilations = [int(v) for v in fields.get("lhs_dilate", "x".join("1" * len(sizes))).split("x")]
+    taps = math.prod(-(-size // dilation) for size, dilation in zip(sizes, dilations))
+    return 2.0 * math.prod(out) * features / (int(groups[1]) if groups else 1) * taps
+
+
+def attention_kernels(module: Module) -> dict[str, int]:
+    """Attention custom calls in the program (static count): splash kernels (Mosaic custom
+    calls named splash_*), cuDNN fused attention, and every Mosaic call."""
+    counts = {"splash": 0, "cudnn": 0, "mosaic": 0}
+    for body in module.computations.values():
+        for instruction in body:
+            if instruction.opcode != "custom-call":
+                continue
+            target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
+            target = target[1] if target else ""
+            if target == MOSAIC_TARGET:
+                counts["mosaic"] += 1
+                counts["splash"] += "splash" in instruction.name
+            counts["cudnn"] += target.startswith(CUDNN_ATTENTION)
+    return counts
+
+
+def interpreted_kernel_ops(module: Module, kernel: str = "splash_mha") -> int:
+    """Dots and convolutions traced from inside a Pallas kernel named `kernel*`: its body
+    run in interpret mode, as XLA ops (a native kernel is one custom call)."""
+    return sum(
+        instruction.opcode in ("dot", "convolution") and kernel in op_name(instruction)
+        for body in module.computations.values()
+        for instruction in body
+    )
+
+
+def loop_trip_counts(module: Module) -> list[int]:
+    """The trip count of every while loop (the micro-batch scan, the chunked loss...)."""
+    return sorted(
+        trip_count(module, instruction)
+        for body in module.computations.values()
+        for instruction in body
+        if instruction.opcode == "while"
+    )
+
+
+def large_fp32(module: Module, vocab: set[int], tokens: int) -> list[str]:
+    """fp32 arrays shaped like whole-batch logits: a last axis of a vocab size (any of
+    `vocab`: the padded vocab and its shards) and at least `tokens` (the rows x T of a
+    device's micro-batch) before it. The chunked loss never holds one."""
+    found = set()
+    for body in module.computations.values():
+        for instruction in body:
+            for dtype, dims in arrays(instruction.shape):
+                if (
+                    dtype == "f32"
+                    and dims
+                    and dims[-1] in vocab
+                    and math.prod(dims) >= tokens * dims[-1]
+                ):
+                    found.add(f"f32[{','.join(map(str, dims))}]")
+    return sorted(found)

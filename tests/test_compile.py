@@ -1,0 +1,211 @@
+"""Ahead-of-time compilation for TPU targets on this CPU host (libtpu, requirements-aot.txt).
+
+One tiny BoV model (2 layers, T = 128, `auto` attention and dtypes) on an fsdp x tensor mesh
+of a v5e-4 is compiled once for its train step and its sampling engine's prefill and decode
+loop; the tests read that report. The detectors it relies on (an interpreted kernel, an fp32
+whole-batch logits buffer) are each shown to fire on a program that has the thing.
+"""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import tiny_config
+
+from bov_jax import sharding
+from bov_jax.accounting import param_counts, training_plan
+from bov_jax.cli import UserError
+from bov_jax.compile import aot, hlo, targets
+from bov_jax.compile.report import Options, run
+from bov_jax.model import splash
+from bov_jax.model.spec import ModelSpec
+
+LAYERS, SEQ, ROWS = 2, 128, 2  # rows per device per micro-batch
+
+
+def tiny_tpu_config():
+    """Width 64 (two heads of 32), vocab 320 (160 per tensor shard), a loss chunk of 32
+    positions, 2 micro-batches of 2 rows per device on data 1 x fsdp 2 x tensor 2."""
+    config = tiny_config(
+        "d12_bov",
+        depth=LAYERS,
+        seq_len=SEQ,
+        vocab_size=320,
+        short_window=32,
+        attention_impl="auto",
+        compute_dtype="auto",
+        loss_chunk_tokens=SEQ,
+    )
+    config.mesh.update(data=1, fsdp=2, tensor=2)
+    t = config.train
+    t.num_steps, t.device_batch_size = 10, ROWS
+    t.total_batch_tokens = 2 * ROWS * 2 * SEQ  # 2 micro-batches over the 2 fsdp devices
+    return config
+
+
+@pytest.fixture(scope="module")
+def report():
+    config = tiny_tpu_config()
+    return run(config, Options(target="v5e-4", steps=("train", "prefill", "decode")), log=None)
+
+
+def test_auto_choices_follow_the_target_not_the_host(report):
+    assert jax.default_backend() == "cpu"
+    assert (report["attention_impl"], report["compute_dtype"]) == ("splash", "bfloat16")
+    assert report["device_kind"] == "TPU v5 lite" and report["chips"] == 4
+    assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+
+
+def test_train_step_holds_native_splash_kernels_and_fits(report):
+    train = report["steps"]["train"]
+    # Per layer: the forward kernel and the backward's dq and dkv kernels; the micro-batch
+    # loop's body is one copy of the program.
+    assert train["kernels"]["splash"] == 3 * LAYERS == report["attention_kernels"]
+    assert train["interpreted_kernel_ops"] == 0
+    assert train["fp32_logits_buffers"] == []
+    assert report["micro_batches"] == 2 and 2 in train["loop_trip_counts"]
+    assert report["fits"] and 0 < report["peak_memory_gib"] < report["hbm_gib"] == 16
+    memory = train["memory_gib"]
+    assert memory["alias"] > 0  # the donated state is updated in place
+    assert memory["peak"] == pytest.approx(
+        memory["argument"] + memory["output"] - memory["alias"] + memory["temporary"], abs=1e-3
+    )
+
+
+def test_train_step_collectives_and_flops(report):
+    train = report["steps"]["train"]
+    # fsdp gathers each device's tensor shard of every bf16 block matrix (at least once) and
+    # reduces the gradients.
+    counts = param_counts(ModelSpec.from_config(tiny_tpu_config().model))
+    shard_bytes = 2 * (counts.flop_matmul - counts.lm_head) / 2
+    assert train["collectives"]["all-gather"]["bytes"] >= shard_bytes
+    assert {"all-reduce", "reduce-scatter"} & set(train["collectives"])
+    assert report["collectives"] == train["collectives"]
+    flops = train["flops"]
+    # The model's dots (attention is inside the kernels) against 6 x matmul parameters x
+    # tokens; Muon's orthogonalisation is the rest.
+    assert flops["xla_model_over_comparable"] == pytest.approx(1.0, abs=0.02)
+    assert flops["xla_optimizer_per_step"] > 0
+    assert flops["analytic_per_step"] > flops["analytic_matmul_per_step"]
+
+
+def test_decode_engine_compiles_for_the_target(report):
+    for name in ("prefill", "decode"):
+        step = report["steps"][name]
+        assert step["fits"] and step["fp32_logits_buffers"] == []
+        assert step["attention_kernels"] == 0  # cached attention is XLA's
+    assert report["steps"]["decode"]["loop_trip_counts"]  # the token loop
+
+
+def test_interpreted_kernels_are_detected():
+    """The same kernel compiled for this host's CPUs runs interpreted: its math is XLA dots."""
+    mesh = sharding.make_mesh(tiny_tpu_config().mesh, jax.devices()[:4])
+    spec = jax.sharding.PartitionSpec(splash.BATCH_AXES, None, splash.HEAD_AXIS)
+    q = jax.ShapeDtypeStruct((2, SEQ, 2, 32), jnp.float32, sharding=mesh_sharding(mesh, spec))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(lambda q: splash.attention(q, q, q, window=8)).lower(q)
+    module = hlo.parse(lowered.compile().as_text())
+    assert hlo.interpreted_kernel_ops(module) > 0
+    assert hlo.attention_kernels(module)["mosaic"] == 0
+
+
+def mesh_sharding(mesh, spec):
+    return jax.sharding.NamedSharding(mesh, spec)
+
+
+def test_fp32_logits_buffers_are_detected():
+    """Whole-batch fp32 logits (rows x T x V) compiled for the TPU target are reported."""
+    devices = targets.target_devices(targets.resolve_target("v5e-4"))
+    mesh = sharding.make_mesh(tiny_tpu_config().mesh, devices)
+    h = jax.ShapeDtypeStruct((4, SEQ, 64), jnp.bfloat16, sharding=sharding.batch_sharding(mesh))
+    w = jax.ShapeDtypeStruct((64, 320), jnp.bfloat16, sharding=sharding.replicated(mesh))
+    logits = jax.jit(
+        lambda h, w: jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+    )
+    module = hlo.parse(logits.lower(h, w).compile().as_text())
+    assert hlo.large_fp32(module, {320}, 2 * SEQ) == [f"f32[2,{SEQ},320]"]
+    assert hlo.large_fp32(module, {320}, 4 * SEQ) == []
+
+
+def test_a_step_the_compiler_refuses_is_reported_as_not_fitting():
+    """The TPU compiler stops at a program that cannot fit; the report keeps its figure."""
+    devices = targets.target_devices(targets.resolve_target("v5e-4"))
+    mesh = sharding.make_mesh(tiny_tpu_config().mesh, devices)
+    x = jax.ShapeDtypeStruct((2**17,), jnp.float32, sharding=sharding.replicated(mesh))
+    square = jax.jit(lambda x: (lambda y: y @ y[:, :128])(jnp.outer(x, x)))  # a 64 GiB y
+    with pytest.raises(jax.errors.JaxRuntimeError) as refused:
+        square.lower(x).compile()
+    report = aot.out_of_memory(refused.value, 1.0, 1.0)
+    assert report["fits"] is False and report["memory_gib"]["peak"] >= 64
+    assert report["compiler_refused"].startswith("RESOURCE_EXHAUSTED")
+
+
+def test_multi_host_slice_mesh_spans_every_chip():
+    """v5p-64: 32 chips on 8 hosts; the mesh and the batch layout cover all of them."""
+    config = tiny_tpu_config()
+    config.mesh.update(data=-1, fsdp=4, tensor=1)
+    config.train.total_batch_tokens = 32 * ROWS * SEQ
+    target = targets.resolve_target("v5p-64")
+    devices = targets.target_devices(target)
+    setup = aot.Setup.build(config, target, devices, training_plan(config))
+    assert target.topology == "v5p:2x4x4" and len(devices) == 32
+    assert setup.mesh.size == 32 and set(setup.mesh.devices.flat) == set(devices)
+    assert setup.processes == 8 and dict(setup.mesh.shape) == {"data": 8, "fsdp": 4, "tensor": 1}
+    layout = setup.layout()
+    assert (layout.micro_rows, layout.rows_per_process) == (32 * ROWS, 4 * ROWS)
+    params = jax.tree.leaves(setup.state.params)
+    assert all(p.sharding.mesh.devices.size == 32 for p in params)
+
+
+@pytest.mark.parametrize(
+    ("name", "topology", "chips", "hbm_gib"),
+    [
+        ("v4-8", "v4:2x2x1", 4, 32),
+        ("v5e-4", "v5e:2x2", 4, 16),
+        ("v5e-8", "v5e:2x4", 8, 16),
+        ("v5p-8", "v5p:2x2x1", 4, 95),
+        ("v6e-8", "v6e:2x4", 8, 32),
+        ("v5p-128", "v5p:4x4x4", 64, 95),
+        ("v6e-256", "v6e:16x16", 256, 32),
+    ],
+)
+def test_tpu_names(name, topology, chips, hbm_gib):
+    target = targets.resolve_target(name)
+    assert (target.topology, target.chips, target.hbm_bytes) == (topology, chips, hbm_gib * 2**30)
+
+
+def test_gpu_targets_read_their_config_files():
+    h200 = targets.resolve_target("h200", 16)
+    assert (h200.platform, h200.topology, h200.chips) == ("gpu", "1x2x8", 16)
+    assert h200.hbm_bytes == 151397597184
+    assert targets.resolve_target("h100", 4).topology == "1x1x4"
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "message"),
+    [
+        ("v9-8", 8, "unknown --target=v9-8"),
+        ("v5p-6", 8, "v5p-N with N a power of two from 8"),
+        ("v5p-7", 8, "2 per chip"),
+        ("v5e-2", 8, "(not 2) to 256"),
+        ("h200", 12, "--gpus=12"),
+    ],
+)
+def test_bad_targets_are_named(name, gpus, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        targets.resolve_target(name, gpus)
+
+
+def test_command_line_help_and_bad_target():
+    command = [sys.executable, "-m", "bov_jax.compile"]
+    assert subprocess.run([*command, "--help"], capture_output=True).returncode == 0
+    bad = subprocess.run(
+        [*command, "--config=configs/quickstart.py", "--target=v5q-8"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: unknown --target=v5q-8; expected {targets.known_targets()}"]
