@@ -39,8 +39,9 @@ def build_config(name: str):
     return config
 
 
-def worker(config_name: str) -> None:
-    """Compile the train step, then answer each stdin line `n` with the seconds of n steps."""
+def compiled_step(config_name: str):
+    """(compiled train step, state, one micro-batch of random ids, tokens per step) of the
+    named config, from the `bov_jax` on sys.path."""
     import jax
     import numpy as np
 
@@ -61,7 +62,15 @@ def worker(config_name: str) -> None:
     compiled = step.lower(state, batch).compile()
     state, out = compiled(state, batch)
     jax.block_until_ready(out)
-    print(json.dumps({"ready": True, "tokens_per_step": rows * seq}), flush=True)
+    return compiled, state, batch, rows * seq
+
+
+def worker(config_name: str) -> None:
+    """Compile the train step, then answer each stdin line `n` with the seconds of n steps."""
+    import jax
+
+    compiled, state, batch, tokens = compiled_step(config_name)
+    print(json.dumps({"ready": True, "tokens_per_step": tokens}), flush=True)
     for line in sys.stdin:
         start = time.perf_counter()
         for _ in range(int(line)):

@@ -1,4 +1,5 @@
-"""`python -m bov_jax.bench train` on a tiny config: every reported field, the JSON file."""
+"""`python -m bov_jax.bench train` on a tiny config: every reported field, the JSON file, the
+parts within the whole."""
 
 import json
 
@@ -25,12 +26,15 @@ def get_config(preset="d12_bov"):
 FIELDS = (
     "micro_batches",
     "step_ms",
+    "gradients_ms",
     "optimizer_ms",
     "fwd_bwd_ms_per_micro_batch",
     "tokens_per_sec",
     "mfu_fwd_bwd",
     "mfu_step",
     "peak_memory_gib",
+    "halves_over_step",
+    "halves_over_step_of_min_times",
     "step_time_ratio_vs_first",
 )
 
@@ -42,8 +46,8 @@ def test_bench_train_reports_every_field_for_both_configs(tmp_path, capsys, comm
     command_flags(
         bench.define_flags,
         f"--configs={config}:d12,{config}",
-        "--steps=1",
-        "--reps=2",
+        "--steps=3",
+        "--reps=5",
         f"--json_out={out}",
     )
     bench.main(["bench", "train"])
@@ -57,7 +61,12 @@ def test_bench_train_reports_every_field_for_both_configs(tmp_path, capsys, comm
         assert r["step_ms"] > 0 and r["optimizer_ms"] > 0 and r["fwd_bwd_ms_per_micro_batch"] > 0
         assert r["mfu_step"] is None and r["mfu_fwd_bwd"] is None  # no known peak on CPU
         assert r["peak_memory_gib"] > 0
-        assert len(r["step_ms_reps"]) == 2
+        assert len(r["step_ms_reps"]) == 5
+        # The parts are the step's own halves: each shorter than the step, and together the
+        # step within 40% (minimum times over the rounds: the machine is shared).
+        fastest_step = min(r["step_ms_reps"])
+        assert r["gradients_ms_min"] < fastest_step and r["optimizer_ms_min"] < fastest_step
+        assert 0.6 < r["halves_over_step_of_min_times"] < 1.4
     assert results[0]["step_time_ratio_vs_first"]["median"] == 1.0
     printed = capsys.readouterr().out
     assert f"{config}:d12" in printed and "ratio" in printed

@@ -7,12 +7,18 @@
 
 `train`: per config, the compiled train step at `micro_batches` micro-batches (default: what
 the config's total batch needs, at most --max_micro_batches), so the optimizer is charged once
-per real step, as in training. Reported: step time, optimizer-only time, forward+backward time
-of one micro-batch, MFU of forward+backward alone and of the whole step (analytic FLOPs per
-token; null where the device's peak is unknown, e.g. CPU), tokens/s, peak memory of the
-compiled step (arguments + outputs - donated + temporaries), compile time, and the step time
-ratio to the first config. The configs are compiled side by side in this one process and timed
-in `reps` interleaved rounds; ratios are per round (median, min, max). Token ids come from the
+per real step, as in training. The parts are the step's own two halves
+(`bov_jax.train.step.make_step_halves`: the gradients over every micro-batch, dense kernels
+cast once, then the optimizer update and commit), each jitted alone with the step's shardings
+and donation and waited for in turn: `gradients_ms` + `optimizer_ms` is what the step costs
+without fusing across the halves or overlapping them, so `halves_over_step` (per round) sits
+near 1 (within 10% on CPU at config a; tests/test_bench.py checks 25% on a tiny model).
+Reported: step time, the two halves' times, forward+backward time per micro-batch (the
+gradient half / micro-batches), MFU of the gradient half and of the whole step (analytic
+FLOPs per token; null where the device's peak is unknown, e.g. CPU), tokens/s, peak memory of
+the compiled step (arguments + outputs - donated + temporaries), compile time, and the step
+time ratio to the first config. The configs are compiled side by side in this one process and
+timed in `reps` interleaved rounds; ratios are per round (median, min, max). Token ids come from the
 embedded corpus (real text: repeated ids collide in the embedding and bank gradients as in
 training) unless --tokens=random. --profile writes a jax.profiler trace of a few steps per
 config and prints the device time by op category and by named scope (bov_jax/bench/profile.py).
@@ -23,18 +29,15 @@ processes) next to what its train step consumes.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import flags
 from ml_collections import config_flags
 
@@ -49,7 +52,7 @@ from bov_jax.model.spec import ModelSpec
 from bov_jax.train import xla_flags
 from bov_jax.train.metrics import peak_flops_per_device
 from bov_jax.train.state import create_train_state
-from bov_jax.train.step import loss_fn, make_train_step
+from bov_jax.train.step import make_step_halves, make_train_step
 
 FLAGS = flags.FLAGS
 
@@ -146,17 +149,8 @@ def peak_bytes(compiled: Any) -> int | None:
     )
 
 
-def seconds_per_call(fn: Callable[[], Any], calls: int) -> float:
-    jax.block_until_ready(fn())  # warm
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn()
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls
-
-
 class TrainBench:
-    """One config's compiled train step, its parts, and a fixed batch."""
+    """One config's compiled train step, its two halves jitted alone, and a fixed batch."""
 
     def __init__(self, path: str):
         self.path = path
@@ -164,7 +158,7 @@ class TrainBench:
         self.spec = ModelSpec.from_config(config.model)
         self.plan = training_plan(config)
         mesh = sharding.make_mesh(config.mesh)
-        graphdef, self.state, shardings, self.tx = create_train_state(config, self.plan, mesh)
+        graphdef, self.state, shardings, tx = create_train_state(config, self.plan, mesh)
         self.rows = config.train.device_batch_size * jax.device_count()
         self.seq = config.model.seq_len
         self.accum = config.train.total_batch_tokens // (self.rows * self.seq)
@@ -173,17 +167,10 @@ class TrainBench:
             {"inputs": ids[..., :-1], "targets": ids[..., 1:]}, mesh, leading=1
         )
         start = time.perf_counter()
-        self.step = make_train_step(graphdef, self.tx, shardings, mesh)
+        self.step = make_train_step(graphdef, tx, shardings, mesh)
         self.step = self.step.lower(self.state, self.batch).compile()
         self.compile_s = time.perf_counter() - start
-        self.fwd_bwd = jax.jit(jax.value_and_grad(loss_fn, argnums=1), static_argnums=0)
-        self.fwd_bwd = functools.partial(self.fwd_bwd, graphdef)
-
-        def optimizer_step(params: dict, opt_state: Any, grads: dict) -> tuple[dict, Any]:
-            updates, opt_state = self.tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        self.optimizer = jax.jit(optimizer_step)
+        self.gradients, self.update = make_step_halves(graphdef, tx, shardings, mesh)
 
     def run_steps(self, steps: int) -> float:
         """Seconds per train step over `steps` steps (the state advances)."""
@@ -194,17 +181,25 @@ class TrainBench:
         self.loss = float(out["loss"])
         return (time.perf_counter() - start) / steps
 
-    def part_times(self, calls: int) -> tuple[float, float]:
-        """(forward+backward of one micro-batch, optimizer update alone) in seconds."""
-        params = self.state.params
-        inputs, targets = self.batch["inputs"][0], self.batch["targets"][0]
-        fwd_bwd = seconds_per_call(lambda: self.fwd_bwd(params, inputs, targets), calls)
-        opt = seconds_per_call(lambda: self.optimizer(params, self.state.opt_state, params), calls)
-        return fwd_bwd, opt
+    def run_halves(self, steps: int) -> tuple[float, float]:
+        """Seconds per step of (gradients, optimizer update) over `steps` steps, each half
+        waited for before the next starts (the state advances)."""
+        grad_s = update_s = 0.0
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss, grads = jax.block_until_ready(
+                self.gradients(self.state.params, self.batch["inputs"], self.batch["targets"])
+            )
+            middle = time.perf_counter()
+            self.state, _ = jax.block_until_ready(self.update(self.state, loss, grads))
+            grad_s += middle - start
+            update_s += time.perf_counter() - middle
+        return grad_s / steps, update_s / steps
 
-    def result(self, step_times: list[float]) -> dict[str, Any]:
-        fwd_bwd_s, opt_s = self.part_times(max(1, FLAGS.steps))
-        step_s = statistics.median(step_times)
+    def result(self, rounds: list[tuple[float, float, float]]) -> dict[str, Any]:
+        """`rounds`: (step, gradients, update) seconds per step of each repetition."""
+        step_s, grad_s, opt_s = (statistics.median(column) for column in zip(*rounds))
+        min_s, min_g, min_o = (min(column) for column in zip(*rounds))
         tokens = self.accum * self.rows * self.seq
         peak = peak_flops_per_device()
         fpt = self.plan.flops_per_token
@@ -225,43 +220,52 @@ class TrainBench:
             "tokens_per_step": tokens,
             "compile_s": round(self.compile_s, 2),
             "step_ms": round(1000 * step_s, 2),
-            "step_ms_reps": [round(1000 * t, 2) for t in step_times],
+            "step_ms_reps": [round(1000 * r[0], 2) for r in rounds],
+            "gradients_ms": round(1000 * grad_s, 2),
             "optimizer_ms": round(1000 * opt_s, 2),
-            "fwd_bwd_ms_per_micro_batch": round(1000 * fwd_bwd_s, 2),
+            "fwd_bwd_ms_per_micro_batch": round(1000 * grad_s / self.accum, 2),
+            "halves_over_step": spread([(g + o) / s for s, g, o in rounds]),
+            "gradients_ms_min": round(1000 * min_g, 2),
+            "optimizer_ms_min": round(1000 * min_o, 2),
+            "halves_over_step_of_min_times": round((min_g + min_o) / min_s, 4),
             "tokens_per_sec": round(tokens / step_s, 1),
             "flops_per_token": fpt,
-            "mfu_fwd_bwd": mfu(self.rows * self.seq / fwd_bwd_s),
+            "mfu_fwd_bwd": mfu(tokens / grad_s),
             "mfu_step": mfu(tokens / step_s),
             "peak_memory_gib": round(memory / 2**30, 3) if memory is not None else None,
             "loss": self.loss,
         }
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+    }
+
+
 def bench_train(paths: list[str]) -> list[dict[str, Any]]:
-    """Every config compiled, then `reps` interleaved rounds of `steps` steps each; step time
-    ratios to the first config are taken within each round."""
+    """Every config compiled, then `reps` interleaved rounds: per config `steps` train steps,
+    then `steps` steps run as the two halves; step time ratios to the first config are taken
+    within each round."""
     benches = [TrainBench(path) for path in paths]
-    times: list[list[float]] = [[] for _ in benches]
+    rounds: list[list[tuple[float, float, float]]] = [[] for _ in benches]
     for bench in benches:
-        bench.run_steps(1)  # the first call after compiling
+        bench.run_steps(1)  # the first calls after compiling
+        bench.run_halves(1)
     for _ in range(FLAGS.reps):
-        for bench, record in zip(benches, times, strict=True):
-            record.append(bench.run_steps(FLAGS.steps))
+        for bench, record in zip(benches, rounds, strict=True):
+            record.append((bench.run_steps(FLAGS.steps), *bench.run_halves(FLAGS.steps)))
     results = []
-    for bench, record in zip(benches, times, strict=True):
+    for bench, record in zip(benches, rounds, strict=True):
         result = bench.result(record)
-        ratios = [mine / first for mine, first in zip(record, times[0], strict=True)]
-        result["step_time_ratio_vs_first"] = {
-            "median": round(statistics.median(ratios), 4),
-            "min": round(min(ratios), 4),
-            "max": round(max(ratios), 4),
-        }
+        ratios = [mine[0] / first[0] for mine, first in zip(record, rounds[0], strict=True)]
+        result["step_time_ratio_vs_first"] = spread(ratios)
         results.append(result)
     if FLAGS.profile:
-        for bench, result in zip(benches, results, strict=True):
-            result["profile"] = profile_steps(
-                bench, os.path.join(FLAGS.profile, f"config{len(result)}")
-            )
+        for index, (bench, result) in enumerate(zip(benches, results, strict=True)):
+            result["profile"] = profile_steps(bench, os.path.join(FLAGS.profile, f"config{index}"))
     return results
 
 
@@ -309,20 +313,22 @@ def main(argv: list[str]) -> None:
     for result in results:
         print(json.dumps(result), flush=True)
     header = (
-        f"{'mb':>3} {'step ms':>9} {'opt ms':>8} {'fb ms/mb':>9} {'tok/s':>10} "
+        f"{'mb':>3} {'step ms':>9} {'grad ms':>9} {'opt ms':>8} {'halves':>7} {'tok/s':>10} "
         f"{'MFU fb':>7} {'MFU':>6} {'GiB':>7} {'ratio (min-max)':>20}"
     )
     print(f"\n{'config':34} {header}")
     for r in results:
         ratio = r["step_time_ratio_vs_first"]
-        spread = f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
+        span = f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
         print(
             f"{r['config']:34} {r['micro_batches']:3d} {r['step_ms']:9.1f} "
-            f"{r['optimizer_ms']:8.1f} {r['fwd_bwd_ms_per_micro_batch']:9.1f} "
+            f"{r['gradients_ms']:9.1f} {r['optimizer_ms']:8.1f} "
+            f"{r['halves_over_step']['median']:7.3f} "
             f"{r['tokens_per_sec']:10,.0f} {percent(r['mfu_fwd_bwd']):>7} "
-            f"{percent(r['mfu_step']):>6} {r['peak_memory_gib'] or 0:7.2f} {spread:>20}"
+            f"{percent(r['mfu_step']):>6} {r['peak_memory_gib'] or 0:7.2f} {span:>20}"
         )
-    print("ratio: step time / the first config's step time, per interleaved repetition")
+    print("halves: (grad + opt) / step; ratio: step time / the first config's step time;")
+    print("both per interleaved repetition (median)")
     if FLAGS.json_out:
         write_json_atomic(FLAGS.json_out, results)
 

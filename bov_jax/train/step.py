@@ -7,7 +7,8 @@ accumulates the gradient over the accum axis, so the optimizer sees the mean gra
 the whole configured batch. A step is committed only if its loss and gradient are finite and
 so are the new parameters and optimizer state (a finite gradient can still overflow a moment
 or a parameter); otherwise the state is left unchanged and the step reports
-`finite = False`, and the loop decides whether to stop or skip.
+`finite = False`, and the loop decides whether to stop or skip. `make_step_halves` jits the
+step's two halves (gradients; optimizer update and commit) alone, for the bench.
 """
 
 from __future__ import annotations
@@ -65,6 +66,35 @@ def accumulate_gradients(graphdef, params, inputs, targets) -> tuple[jax.Array, 
     return losses.mean(), jax.tree.map(lambda g: g / accum, grad_sum)
 
 
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    state: TrainState,
+    loss: jax.Array,
+    grads: dict,
+    fault_nonfinite_step: int = -1,
+) -> tuple[TrainState, dict]:
+    """The optimizer's half of a step: update, finiteness check, commit or keep the state.
+
+    `fault_nonfinite_step` >= 0 (train.fault_nonfinite_step, tests only) multiplies the new
+    parameters of that step by NaN; at -1 nothing of it is compiled in.
+    """
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if fault_nonfinite_step >= 0:
+        poison = jnp.where(state.step == fault_nonfinite_step, jnp.nan, 1.0)
+        params = jax.tree.map(lambda p: p * poison.astype(p.dtype), params)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
+
+    def commit(state: TrainState) -> TrainState:
+        return TrainState(state.step + 1, params, opt_state, state.rng)
+
+    # A non-finite step keeps the previous state (the step counter included). A cond,
+    # not a select over the whole state, so a good step pays no extra pass over memory.
+    state = jax.lax.cond(finite, commit, lambda state: state, state)
+    return state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -72,28 +102,14 @@ def make_train_step(
     mesh: jax.sharding.Mesh,
     fault_nonfinite_step: int = -1,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """`fault_nonfinite_step` >= 0 (train.fault_nonfinite_step, tests only) multiplies the new
-    parameters of that step by NaN; at -1 nothing of it is compiled in."""
+    """train_step(state, batch {inputs, targets: (accum, rows, T)}) -> (state, metrics):
+    `accumulate_gradients` then `apply_gradients`, in one jit with the state donated."""
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         loss, grads = accumulate_gradients(
             graphdef, state.params, batch["inputs"], batch["targets"]
         )
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        if fault_nonfinite_step >= 0:
-            poison = jnp.where(state.step == fault_nonfinite_step, jnp.nan, 1.0)
-            params = jax.tree.map(lambda p: p * poison.astype(p.dtype), params)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
-
-        def commit(state: TrainState) -> TrainState:
-            return TrainState(state.step + 1, params, opt_state, state.rng)
-
-        # A non-finite step keeps the previous state (the step counter included). A cond,
-        # not a select over the whole state, so a good step pays no extra pass over memory.
-        state = jax.lax.cond(finite, commit, lambda state: state, state)
-        return state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        return apply_gradients(tx, state, loss, grads, fault_nonfinite_step)
 
     batch_sh = sharding.batch_sharding(mesh, leading=1)
     return jax.jit(
@@ -102,6 +118,32 @@ def make_train_step(
         out_shardings=(state_shardings, sharding.replicated(mesh)),
         donate_argnums=0,
     )
+
+
+def make_step_halves(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    state_shardings: TrainState,
+    mesh: jax.sharding.Mesh,
+) -> tuple[Callable, Callable]:
+    """The two halves of `make_train_step`'s step, each jitted alone with the step's shardings
+    (the bench times them): `gradients(params, inputs, targets) -> (loss, grads)` and
+    `update(state, loss, grads) -> (state, metrics)`, which donates the state as the step
+    does."""
+    batch_sh = sharding.batch_sharding(mesh, leading=1)
+    rep = sharding.replicated(mesh)
+    gradients = jax.jit(
+        functools.partial(accumulate_gradients, graphdef),
+        in_shardings=(state_shardings.params, batch_sh, batch_sh),
+        out_shardings=(rep, state_shardings.params),
+    )
+    update = jax.jit(
+        functools.partial(apply_gradients, tx),
+        in_shardings=(state_shardings, rep, state_shardings.params),
+        out_shardings=(state_shardings, rep),
+        donate_argnums=0,
+    )
+    return gradients, update
 
 
 def make_eval_step(
