@@ -134,11 +134,11 @@ def test_a_step_the_compiler_refuses_is_reported_as_not_fitting():
     devices = targets.target_devices(targets.resolve_target("v5e-4"))
     mesh = sharding.make_mesh(tiny_tpu_config().mesh, devices)
     x = jax.ShapeDtypeStruct((2**17,), jnp.float32, sharding=sharding.replicated(mesh))
-    square = jax.jit(lambda x: (lambda y: y @ y[:, :128])(jnp.outer(x, x)))  # a 64 GiB y
+    square = jax.jit(lambda x: (lambda y: y @ y[:, :128])(jnp.outer(x, x)))  # y: 64 GiB
     with pytest.raises(jax.errors.JaxRuntimeError) as refused:
         square.lower(x).compile()
     report = aot.out_of_memory(refused.value, 1.0, 1.0)
-    assert report["fits"] is False and report["memory_gib"]["peak"] >= 64
+    assert report["fits"] is False and report["memory_gib"]["peak"] > 16  # a v5e has 16
     assert report["compiler_refused"].startswith("RESOURCE_EXHAUSTED")
 
 
