@@ -232,12 +232,9 @@ def job_output(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-@pytest.fixture(scope="module")
-def two_tasks(cluster, tmp_path_factory) -> tuple[Path, str, list[dict[str, str]]]:
-    """(a)'s job: launch/slurm.sbatch, MODE=cpu, 2 tasks to the end (workdir, output, states)."""
-    workdir = tmp_path_factory.mktemp("slurm_two_tasks")
-    output = workdir.parent / f"{workdir.name}.out"
-    job = cluster.submit(
+def submit_two_tasks(cluster, workdir: Path, output: Path, python: str) -> str:
+    """launch/slurm.sbatch, MODE=cpu, 2 tasks of the tiny config on `workdir`; the job id."""
+    return cluster.submit(
         *CPU_JOB,
         "--ntasks-per-node=2",
         f"--output={output}",
@@ -248,8 +245,16 @@ def two_tasks(cluster, tmp_path_factory) -> tuple[Path, str, list[dict[str, str]
         MODE="cpu",
         WORKDIR=str(workdir),
         CONFIG=CONFIG.partition("=")[2],
-        PYTHON=sys.executable,
+        PYTHON=python,
     )
+
+
+@pytest.fixture(scope="module")
+def two_tasks(cluster, tmp_path_factory) -> tuple[Path, str, list[dict[str, str]]]:
+    """(a)'s job: launch/slurm.sbatch, MODE=cpu, 2 tasks to the end (workdir, output, states)."""
+    workdir = tmp_path_factory.mktemp("slurm_two_tasks")
+    output = workdir.parent / f"{workdir.name}.out"
+    job = submit_two_tasks(cluster, workdir, output, sys.executable)
     states = cluster.wait(job, output)
     return workdir, job_output(output), states
 
@@ -271,19 +276,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, two_tasks, 
         SLOW_PYTHON.format(python=shlex.quote(sys.executable), code=shlex.quote(SLOW_STEPS))
     )
     slow.chmod(0o755)
-    job = cluster.submit(
-        *CPU_JOB,
-        "--ntasks-per-node=2",
-        f"--output={output}",
-        str(SCRIPT),
-        *FLAGS,
-        TWO_DEVICES,
-        STREAMS,
-        MODE="cpu",
-        WORKDIR=str(workdir),
-        CONFIG=CONFIG.partition("=")[2],
-        PYTHON=str(slow),
-    )
+    job = submit_two_tasks(cluster, workdir, output, str(slow))
     deadline = time.monotonic() + 180
     while "STEP 3" not in job_output(output):
         assert time.monotonic() < deadline, job_output(output)[-3000:] + cluster.logs()
