@@ -47,8 +47,7 @@ def import_graph() -> dict[str, set[str]]:
     known = set(modules)
     packages = {name for name, path in modules.items() if path.name == "__init__.py"}
     return {
-        name: imported_modules(path, known) - packages - {name}
-        for name, path in modules.items()
+        name: imported_modules(path, known) - packages - {name} for name, path in modules.items()
     }
 
 
