@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# One prepared device check on a single H200 (run through the session's device tool), about
-# 8 minutes: the issue-10 figures at the trained batch. Per pair (baseline, BoV), bf16, cuDNN
-# attention (XLA attention if cuDNN fails), embedded-corpus token ids, 8 micro-batches per
-# step (the cap; d12 trains with 16 and d24 with 64, the optimizer share scales down further):
-# step / optimizer / forward+backward times, MFU, tokens/s, peak memory, BoV/baseline step
-# ratio (interleaved). d12 runs twice: with the XLA GPU flags of bov_jax/train/xla_flags.py and
-# without (BOV_XLA_GPU_FLAGS=0). d24 BoV is profiled (time by category and named scope).
-# The image's jax/flax/optax are used; only ml_collections is carried as a wheel in .whl/.
-# Results land in $OUT. Usage: bash benchmarks/h200.sh [d12|d24|decode|rows]
-# (`decode` times d24 decoding at batch 8, baseline vs BoV, instead; `rows` measures the
-# micro-batch size: both pairs at 4 micro-batches of 2x and 4x their default rows per device,
-# to compare their tokens/s and peak memory with the default run's).
+# The prepared device checks on a single H200 (run through the session's device tool), sized
+# for a 15-minute device budget: the machine's start, one default run and one rerun or second
+# mode. Every mode uses bf16, cuDNN attention (XLA attention if cuDNN fails), embedded-corpus
+# token ids and 8 micro-batches per step (the cap; d12 trains with 16 and d24 with 64, the
+# optimizer share scales down further). Usage: bash benchmarks/h200.sh [MODE]
+#   (none)  d12 and d24 pairs (baseline, BoV) with the XLA GPU flags of
+#           bov_jax/train/xla_flags.py: step time, the step's two halves (gradients,
+#           optimizer: tests/test_bench.py checks that they add up to the step), MFU,
+#           tokens/s, peak memory, BoV/baseline step ratio (interleaved); d24 BoV profiled
+#           (time by category and named scope). At most 150 + 270 s.
+#   d12|d24 that pair alone (a rerun).
+#   flags   the d12 pair without the XLA flags (BOV_XLA_GPU_FLAGS=0), steps only: at most 120 s.
+#   decode  d24 decoding at batch 8, baseline vs BoV with and without the V cache: at most 300 s.
+#   rows    the micro-batch size: both pairs at 4 micro-batches of 2x and 4x their default rows
+#           per device, steps only (tokens/s and peak memory against the default run's):
+#           at most 540 s.
+# The image's jax/flax/optax are used; only ml_collections is carried as a wheel in .whl/
+# (`pip download ml_collections --no-deps -d .whl`, then carry .whl). Results land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -22,7 +28,7 @@ jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__)" | tee
 bench() {  # name, timeout, configs, device batch, extra flags...
   local name=$1 limit=$2 configs=$3 rows=$4; shift 4
   timeout "$limit" python3 -m bov_jax.bench train --configs="$configs" --dtype=bfloat16 \
-      --attention="$attn" --device_batch_size="$rows" --max_micro_batches=8 --steps=3 --reps=3 \
+      --attention="$attn" --device_batch_size="$rows" --max_micro_batches=8 --steps=2 --reps=3 \
       --json_out="$OUT/train_$name.json" "$@" 2>&1 | grep -v "^W[0-9]" | tee "$OUT/train_$name.log"
   return "${PIPESTATUS[0]}"
 }
@@ -31,18 +37,25 @@ decode() {  # d24 decode at batch 8: baseline vs BoV with and without the V cach
       --model_dim=1536 --head_dim=128 --vocab_size=32768 --dtype=bfloat16 --batch=8 \
       --contexts=2048,32768 --new_tokens=64 2>&1 | grep -v "^W[0-9]" | tee "$OUT/decode_d24.log"
 }
-only=${1:-}  # "d12" or "d24" runs that pair alone; "decode" / "rows" run that check alone
+only=${1:-}
 if [ "$only" = decode ]; then decode; exit; fi
 attn=cudnn
 if [ "$only" = rows ]; then
-  for r in 16 32; do bench "d24_rows$r" 200 configs/d24.py,configs/d24_bov.py $r --micro_batches=4; done
-  for r in 32 64; do bench "d12_rows$r" 120 configs/d12.py,configs/d12_bov.py $r --micro_batches=4; done
+  for r in 16 32; do
+    bench "d24_rows$r" 170 configs/d24.py,configs/d24_bov.py $r --micro_batches=4 --noparts
+  done
+  for r in 32 64; do
+    bench "d12_rows$r" 100 configs/d12.py,configs/d12_bov.py $r --micro_batches=4 --noparts
+  done
+  exit
+fi
+if [ "$only" = flags ]; then
+  BOV_XLA_GPU_FLAGS=0 bench d12_noflags 120 configs/d12.py,configs/d12_bov.py 16 --noparts
   exit
 fi
 if [ "$only" != d24 ]; then
   bench d12 150 configs/d12.py,configs/d12_bov.py 16 \
       || { attn=xla; bench d12 150 configs/d12.py,configs/d12_bov.py 16; }
-  BOV_XLA_GPU_FLAGS=0 bench d12_noflags 150 configs/d12.py,configs/d12_bov.py 16
 fi
-[ "$only" != d12 ] && bench d24 240 configs/d24.py,configs/d24_bov.py 8 --profile="$OUT/trace"
+[ "$only" != d12 ] && bench d24 270 configs/d24.py,configs/d24_bov.py 8 --profile="$OUT/trace"
 rm -rf "$OUT/trace"  # the printed and JSON breakdowns are what comes back

@@ -2,17 +2,19 @@
 
     python -m bov_jax.bench train --configs=configs/d12.py,configs/d12_bov.py \
         [--micro_batches=N --device_batch_size=16 --steps=5 --reps=3 --tokens=corpus|random \
-         --dtype=bfloat16 --attention=cudnn --json_out=out.json --profile=/tmp/trace]
+         --dtype=bfloat16 --attention=cudnn --noparts --json_out=out.json --profile=/tmp/trace]
     python -m bov_jax.bench data --configs=configs/quickstart.py [--seconds=5]
 
 `train`: per config, the compiled train step at `micro_batches` micro-batches (default: what
 the config's total batch needs, at most --max_micro_batches), so the optimizer is charged once
 per real step, as in training. The parts are the step's own two halves
 (`bov_jax.train.step.make_step_halves`: the gradients over every micro-batch, dense kernels
-cast once, then the optimizer update and commit), each jitted alone with the step's shardings
-and donation and waited for in turn: `gradients_ms` + `optimizer_ms` is what the step costs
-without fusing across the halves or overlapping them, so `halves_over_step` (per round) sits
-near 1 (within 10% on CPU at config a; tests/test_bench.py checks 25% on a tiny model).
+cast once, then the optimizer update and commit), each jitted alone with the step's
+shardings and donation and waited for in turn (--noparts skips them): `gradients_ms` +
+`optimizer_ms` is the step without fusion or overlap across the halves, so
+`halves_over_step` sits near 1 (config a on a loaded 2-core CPU: median 1.03 / 1.05 for the
+baseline / BoV value path, single rounds 0.90-1.22; tests/test_bench.py checks each half
+below the step and the halves within 40% of it on a tiny model, minimum times).
 Reported: step time, the two halves' times, forward+backward time per micro-batch (the
 gradient half / micro-batches), MFU of the gradient half and of the whole step (analytic
 FLOPs per token; null where the device's peak is unknown, e.g. CPU), tokens/s, peak memory of
@@ -83,6 +85,9 @@ def define_flags() -> None:
     flags.DEFINE_string("json_out", "", "Also write the results to this JSON file.")
     flags.DEFINE_string("profile", "", "Write a jax.profiler trace of a few steps under this dir.")
     flags.DEFINE_float("seconds", 5.0, "data: seconds of pipeline reading per measurement.")
+    flags.DEFINE_bool(
+        "parts", True, "Also time the step's two halves (compiles the gradient half: ~2x compile)."
+    )
 
 
 def load_config(path: str) -> Any:
@@ -196,10 +201,10 @@ class TrainBench:
             update_s += time.perf_counter() - middle
         return grad_s / steps, update_s / steps
 
-    def result(self, rounds: list[tuple[float, float, float]]) -> dict[str, Any]:
-        """`rounds`: (step, gradients, update) seconds per step of each repetition."""
-        step_s, grad_s, opt_s = (statistics.median(column) for column in zip(*rounds))
-        min_s, min_g, min_o = (min(column) for column in zip(*rounds))
+    def result(self, rounds: list[tuple[float, ...]]) -> dict[str, Any]:
+        """`rounds`: (step, gradients, update) seconds per step of each repetition, or (step,)
+        with --noparts."""
+        step_s = statistics.median(r[0] for r in rounds)
         tokens = self.accum * self.rows * self.seq
         peak = peak_flops_per_device()
         fpt = self.plan.flops_per_token
@@ -208,7 +213,7 @@ class TrainBench:
             return round(tokens_per_s * fpt / (peak * jax.device_count()), 4) if peak else None
 
         memory = peak_bytes(self.step)
-        return {
+        result = {
             "config": self.path,
             "depth": self.config.model.depth,
             "value_path": dict(self.config.model.value_path),
@@ -221,19 +226,25 @@ class TrainBench:
             "compile_s": round(self.compile_s, 2),
             "step_ms": round(1000 * step_s, 2),
             "step_ms_reps": [round(1000 * r[0], 2) for r in rounds],
-            "gradients_ms": round(1000 * grad_s, 2),
-            "optimizer_ms": round(1000 * opt_s, 2),
-            "fwd_bwd_ms_per_micro_batch": round(1000 * grad_s / self.accum, 2),
-            "halves_over_step": spread([(g + o) / s for s, g, o in rounds]),
-            "gradients_ms_min": round(1000 * min_g, 2),
-            "optimizer_ms_min": round(1000 * min_o, 2),
-            "halves_over_step_of_min_times": round((min_g + min_o) / min_s, 4),
             "tokens_per_sec": round(tokens / step_s, 1),
             "flops_per_token": fpt,
-            "mfu_fwd_bwd": mfu(tokens / grad_s),
             "mfu_step": mfu(tokens / step_s),
             "peak_memory_gib": round(memory / 2**30, 3) if memory is not None else None,
             "loss": self.loss,
+        }
+        if not FLAGS.parts:
+            return result
+        step_min, grad_min, opt_min = (min(column) for column in zip(*rounds))
+        grad_s, opt_s = (statistics.median(r[i] for r in rounds) for i in (1, 2))
+        return result | {
+            "gradients_ms": round(1000 * grad_s, 2),
+            "optimizer_ms": round(1000 * opt_s, 2),
+            "fwd_bwd_ms_per_micro_batch": round(1000 * grad_s / self.accum, 2),
+            "mfu_fwd_bwd": mfu(tokens / grad_s),
+            "halves_over_step": spread([(g + o) / s for s, g, o in rounds]),
+            "gradients_ms_min": round(1000 * grad_min, 2),
+            "optimizer_ms_min": round(1000 * opt_min, 2),
+            "halves_over_step_of_min_times": round((grad_min + opt_min) / step_min, 4),
         }
 
 
@@ -247,16 +258,20 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def bench_train(paths: list[str]) -> list[dict[str, Any]]:
     """Every config compiled, then `reps` interleaved rounds: per config `steps` train steps,
-    then `steps` steps run as the two halves; step time ratios to the first config are taken
-    within each round."""
+    then (unless --noparts) `steps` steps run as the two halves; step time ratios to the first
+    config are taken within each round."""
     benches = [TrainBench(path) for path in paths]
-    rounds: list[list[tuple[float, float, float]]] = [[] for _ in benches]
+    rounds: list[list[tuple[float, ...]]] = [[] for _ in benches]
+
+    def one_round(bench: TrainBench, steps: int) -> tuple[float, ...]:
+        step_s = bench.run_steps(steps)
+        return (step_s, *bench.run_halves(steps)) if FLAGS.parts else (step_s,)
+
     for bench in benches:
-        bench.run_steps(1)  # the first calls after compiling
-        bench.run_halves(1)
+        one_round(bench, 1)  # the first calls after compiling
     for _ in range(FLAGS.reps):
         for bench, record in zip(benches, rounds, strict=True):
-            record.append((bench.run_steps(FLAGS.steps), *bench.run_halves(FLAGS.steps)))
+            record.append(one_round(bench, FLAGS.steps))
     results = []
     for bench, record in zip(benches, rounds, strict=True):
         result = bench.result(record)
@@ -320,11 +335,12 @@ def main(argv: list[str]) -> None:
     for r in results:
         ratio = r["step_time_ratio_vs_first"]
         span = f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
+        grad, opt = (f"{r[k]:.1f}" if k in r else "-" for k in ("gradients_ms", "optimizer_ms"))
+        halves = f"{r['halves_over_step']['median']:.3f}" if "halves_over_step" in r else "-"
         print(
             f"{r['config']:34} {r['micro_batches']:3d} {r['step_ms']:9.1f} "
-            f"{r['gradients_ms']:9.1f} {r['optimizer_ms']:8.1f} "
-            f"{r['halves_over_step']['median']:7.3f} "
-            f"{r['tokens_per_sec']:10,.0f} {percent(r['mfu_fwd_bwd']):>7} "
+            f"{grad:>9} {opt:>8} {halves:>7} "
+            f"{r['tokens_per_sec']:10,.0f} {percent(r.get('mfu_fwd_bwd')):>7} "
             f"{percent(r['mfu_step']):>6} {r['peak_memory_gib'] or 0:7.2f} {span:>20}"
         )
     print("halves: (grad + opt) / step; ratio: step time / the first config's step time;")
