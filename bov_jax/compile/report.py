@@ -12,10 +12,10 @@ from typing import Any
 
 from bov_jax import sharding
 from bov_jax.accounting import training_plan
-from bov_jax.cli import UserError
 from bov_jax.compile import aot
 from bov_jax.compile.targets import resolve_target, target_devices
 from bov_jax.config import ConfigError, config_errors, validate_config
+from bov_jax.errors import UserError
 from bov_jax.model.spec import resolve_auto
 
 

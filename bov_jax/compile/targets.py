@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
-from bov_jax.cli import UserError
+from bov_jax.errors import UserError
 
 GIB = 2**30
 GPUS_PER_HOST = 8
