@@ -23,6 +23,10 @@ from bov_jax.model.spec import ModelSpec
 from bov_jax.model.values import GATE_CHANNELS
 
 REFERENCE_DEPTH = 12
+# Counts and horizons depend on sizes, not on dtypes or attention kernels; resolving `auto`
+# for a fixed platform keeps accounting from starting a device backend (a sweep's or a
+# report's process must not take the GPU its training jobs need).
+COUNTING_PLATFORM = "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,12 +146,12 @@ def reference_spec(config: Any) -> ModelSpec:
     m = config.model.copy_and_resolve_references()
     m.depth = REFERENCE_DEPTH
     m.model_dim = 0
-    return ModelSpec.from_config(m)
+    return ModelSpec.from_config(m, COUNTING_PLATFORM)
 
 
 def training_plan(config: Any) -> TrainingPlan:
     """Resolve horizon, batch size and LR/WD scaling from a full config (spec 3.4)."""
-    spec = ModelSpec.from_config(config.model)
+    spec = ModelSpec.from_config(config.model, COUNTING_PLATFORM)
     t, o = config.train, config.optim
     params = param_counts(spec)
     fpt = flops_per_token(spec)

@@ -214,6 +214,30 @@ def test_dry_run_cli(tmp_path):
     assert not (tmp_path / "sweep.json").exists()
 
 
+EXPAND_EVERY_SWEEP = """
+import sys
+from pathlib import Path
+from jax._src import xla_bridge
+from bov_jax.sweep import jobs
+for path in sorted(Path("configs/sweeps").glob("*.py")):
+    jobs.expand(jobs.load_sweep(path), Path(sys.argv[1]), 2)
+print("backend started:", xla_bridge.backends_are_initialized())
+"""
+
+
+def test_planning_a_sweep_starts_no_device_backend(tmp_path):
+    """The sweep's own process validates and counts every job without starting a backend: on
+    a GPU node a started one would hold the memory its training jobs need."""
+    out = subprocess.run(
+        [sys.executable, "-c", EXPAND_EVERY_SWEEP, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == "backend started: False"
+
+
 # A sweep of one job whose trainer stands in for bov_jax.main: it records its PID, and on
 # SIGTERM writes `stopped` (as the trainer's checkpoint) and exits 0.
 TRAINER = """
