@@ -21,6 +21,8 @@ from ml_collections import config_flags
 from bov_jax.data.config import default_data_config
 from bov_jax.errors import ConfigError
 
+AUTO_DEVICE_ROWS = 0  # train.device_batch_size: bov_jax/train/device_rows.py decides
+
 
 def value_path_config(
     source: str = "residual",
@@ -128,7 +130,7 @@ def default_config() -> ml_collections.ConfigDict:
     t.target_tokens = -1
     t.target_param_data_ratio = 10.5
     t.total_batch_tokens = -1  # -1: the auto batch-size rule
-    t.device_batch_size = 32
+    t.device_batch_size = 32  # AUTO_DEVICE_ROWS (0): the compiled rows for the chip
     t.stop_after_steps = -1  # end this invocation early (scheduler chunks)
     # Independent data streams (0: one per process). The data order depends on this number
     # only, so fixing it lets a run resume on another process count.
@@ -262,7 +264,8 @@ KEY_DOCS = {
     "train.target_flops": "horizon in FLOPs (-1: unset)",
     "train.target_tokens": "horizon in tokens (-1: unset)",
     "train.target_param_data_ratio": "horizon as tokens per scaling parameter",
-    "train.device_batch_size": "rows per device per micro-batch (accumulation fills the rest)",
+    "train.device_batch_size": "rows per device per micro-batch (accumulation fills the rest; "
+    "0: the compiled rows for the chip, bov_jax/train/device_rows.py)",
     "train.log_every": "steps between log lines",
     "train.eval_every": "steps between val BPB evaluations",
     "train.eval_tokens": "val tokens per evaluation",
@@ -391,7 +394,9 @@ RANGES: dict[str, Range] = {
     "train.target_tokens": Range(1, sentinel=-1, sentinel_meaning="unset"),
     "train.target_param_data_ratio": POSITIVE_REAL,
     "train.total_batch_tokens": Range(1, sentinel=-1, sentinel_meaning="the auto batch rule"),
-    "train.device_batch_size": POSITIVE,
+    "train.device_batch_size": Range(
+        1, sentinel=0, sentinel_meaning="auto: the compiled rows for the chip (docs/targets.md)"
+    ),
     "train.stop_after_steps": Range(1, sentinel=-1, sentinel_meaning="off"),
     "train.data_streams": Range(1, sentinel=0, sentinel_meaning="one per process"),
     "train.log_every": POSITIVE,

@@ -15,7 +15,7 @@ import dataclasses
 import ml_collections
 
 from bov_jax import cli
-from bov_jax.config import default_config
+from bov_jax.config import AUTO_DEVICE_ROWS, default_config
 from bov_jax.model.values import ValuePathSpec
 
 # The paper's compute budgets (spec 2.5): the d12 rows (Table 1, Fig. 5(b)) run at 1.5e18 FLOPs;
@@ -215,8 +215,8 @@ def config_for(name: str) -> ml_collections.ConfigDict:
     config.train.eval_every = (
         D24_MAIN_EVAL_EVERY if preset.budget == D24_MAIN_BUDGET else PAPER_EVAL_EVERY
     )
+    config.train.device_batch_size = AUTO_DEVICE_ROWS  # the compiled rows for the chip
     if preset.depth == 24:
-        config.train.device_batch_size = 8
         config.checkpoint.save_every = D24_SAVE_EVERY
     return config
 

@@ -19,9 +19,11 @@ TINY = dict(model_dim=64, head_dim=32, vocab_size=200, seq_len=64, short_window=
 
 
 def tiny_config(preset: str = "d12", **model_overrides):
-    """A preset's config at width 64, two heads, vocab 200 (padded 256), T = 64."""
+    """A preset's config at width 64, two heads, vocab 200 (padded 256), T = 64, and a fixed
+    32 rows per device per micro-batch (a preset's auto rows depend on the chip)."""
     config = config_for(preset)
     config.model.update({**TINY, **model_overrides})
+    config.train.device_batch_size = 32
     return config
 
 

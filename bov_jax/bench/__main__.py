@@ -51,7 +51,7 @@ from bov_jax.data.pipeline import make_batch_iterator
 from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic
 from bov_jax.model.spec import ModelSpec
-from bov_jax.train import xla_flags
+from bov_jax.train import device_rows, xla_flags
 from bov_jax.train.metrics import peak_flops_per_device
 from bov_jax.train.state import create_train_state
 from bov_jax.train.step import make_step_halves, make_train_step
@@ -115,6 +115,9 @@ def configure(config: Any) -> Any:
         m.attention_impl = FLAGS.attention
     if FLAGS.device_batch_size:
         t.device_batch_size = FLAGS.device_batch_size
+    device_rows.resolve(
+        config, training_plan(config).total_batch_tokens, sharding.make_mesh(config.mesh)
+    )
     micro_tokens = t.device_batch_size * jax.device_count() * m.seq_len
     accum = FLAGS.micro_batches
     if not accum:

@@ -17,6 +17,7 @@ from bov_jax.compile.targets import resolve_target, target_devices
 from bov_jax.config import ConfigError, config_errors, validate_config
 from bov_jax.errors import UserError
 from bov_jax.model.spec import resolve_auto
+from bov_jax.train import device_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,10 @@ def set_rows(setup: aot.Setup, options: Options, log: Any) -> None:
     devices becomes the largest one below it that does (configs are written for the
     devices of their authors, often fewer)."""
     train = setup.config.train
+    if options.device_batch_size is None and options.micro_batches is None:
+        chosen = device_rows.resolve(setup.config, setup.plan.total_batch_tokens, setup.mesh)
+        if chosen:
+            log(chosen)
     rows_per_step = setup.plan.total_batch_tokens // setup.config.model.seq_len
     batch_devices = sharding.batch_size_per_step(setup.mesh)
     if options.device_batch_size is not None:

@@ -11,13 +11,18 @@ from bov_jax import sharding
 from bov_jax.accounting import TrainingPlan
 
 
+def largest_divisor(rows_per_device: int, at_most: int) -> int:
+    """The largest size <= `at_most` that splits `rows_per_device` into whole micro-batches."""
+    return max(d for d in range(1, min(at_most, rows_per_device) + 1) if rows_per_device % d == 0)
+
+
 def divisibility_fix(tokens: int, seq_len: int, batch_devices: int, device_batch: int) -> str:
     """The override that makes a step of `tokens` split into micro-batches: the largest
     train.device_batch_size below `device_batch` that divides each device's rows, or a
     train.total_batch_tokens that gives every device whole rows."""
     rows, remainder = divmod(tokens, seq_len * batch_devices)  # rows per device per step
     if remainder == 0 and rows > 0:
-        size = max(d for d in range(1, min(device_batch, rows) + 1) if rows % d == 0)
+        size = largest_divisor(rows, device_batch)
         return f"pass --config.train.device_batch_size={size} ({rows} rows per device per step)"
     multiple = seq_len * batch_devices
     nearest = max(multiple, round(tokens / multiple) * multiple)

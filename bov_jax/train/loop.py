@@ -52,7 +52,7 @@ from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.files import check_writable, write_json_atomic, write_text_atomic
 from bov_jax.model.gpt import learned_coefficients
 from bov_jax.model.spec import resolve_auto
-from bov_jax.train import run_record, schedules, workdir_lock
+from bov_jax.train import device_rows, run_record, schedules, workdir_lock
 from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
@@ -627,6 +627,7 @@ def run_in(config: Any, workdir: Path) -> dict[str, Any]:
     plan = training_plan(config)
     with config_errors():
         mesh = sharding.make_mesh(config.mesh)
+        rows_choice = device_rows.resolve(config, plan.total_batch_tokens, mesh)
         layout = BatchLayout.resolve(config, plan, mesh)
     streams = resolve_data_streams(config, layout)
     validate_data_config(config.data, config.model.vocab_size, config.model.seq_len)
@@ -638,6 +639,8 @@ def run_in(config: Any, workdir: Path) -> dict[str, Any]:
     config_dict = recorded_config(config, streams, sharding.platform(mesh))
     log_setup(config_dict, workdir)
     log.info("plan: %s", json.dumps(plan.summary()))
+    if rows_choice:
+        log.info("%s", rows_choice)
     cost = evaluation_cost(config, plan)
     log.info(
         "val BPB: %d evals of %d tokens (every %d steps): +%.1f%% of the training compute",

@@ -1,0 +1,73 @@
+"""train.device_batch_size = 0: the compiled rows for the chip, and the table's evidence."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import pytest
+
+from bov_jax import sharding
+from bov_jax.compile import targets
+from bov_jax.presets import config_for
+from bov_jax.sweep.config_files import load_config
+from bov_jax.train import device_rows
+
+REPO = Path(__file__).resolve().parents[1]
+REPORTS = sorted((REPO / "docs" / "results" / "targets").glob("*.json"))
+
+
+@pytest.mark.parametrize("name", ["v4-8", "v5e-8", "v5p-8", "v6e-8"])
+def test_tpu_device_kinds_name_their_chip(name):
+    devices = targets.target_devices(targets.resolve_target(name))
+    assert device_rows.chip(devices[0].device_kind) == name.split("-")[0]
+
+
+@pytest.mark.parametrize("model", ["a100", "h100", "h200"])
+def test_gpu_device_kinds_name_their_chip(model):
+    text = targets.gpu_config_text(model)
+    kind = re.search(r'device_description_str: "([^"]+)"', text).group(1)
+    assert device_rows.chip(kind) == model
+    assert device_rows.chip(jax.devices()[0].device_kind) is None  # this host's CPU
+
+
+def test_every_entry_is_a_fitting_data_parallel_compile():
+    """Each (depth, chip) entry is the rows of a committed report that fits on that chip with
+    the data-parallel mesh, for a model of that depth."""
+    fitting = set()
+    for path in REPORTS:
+        report = json.loads(path.read_text())
+        mesh = report["mesh"]
+        if report["fits"] and mesh["fsdp"] == mesh["tensor"] == 1:
+            depth = load_config(str(REPO / report["config"])).model.depth
+            chip = device_rows.chip(report["device_kind"])
+            fitting.add((depth, chip, report["device_batch_size"]))
+    for (depth, chip), rows in device_rows.COMPILED_ROWS.items():
+        assert (depth, chip, rows) in fitting, f"no fitting report for {depth=} on {chip}"
+
+
+def test_a_preset_takes_its_rows_from_the_table_for_the_target_chip():
+    config = config_for("d24_bov")
+    devices = targets.target_devices(targets.resolve_target("v5p-8"))
+    mesh = sharding.make_mesh(config.mesh, devices)
+    chosen = device_rows.resolve(config, 2**20, mesh)
+    assert config.train.device_batch_size == device_rows.COMPILED_ROWS[(24, "v5p")] == 16
+    assert "compiled table for depth 24 on v5p" in chosen
+
+
+def test_without_an_entry_the_fallback_is_lowered_to_divide_the_rows():
+    config = config_for("d12_bov")
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+    chosen = device_rows.resolve(config, 12 * 2048, mesh)  # 12 rows per device per step
+    assert device_rows.FALLBACK_ROWS == 8 and config.train.device_batch_size == 6
+    assert "fallback of 8" in chosen
+
+
+def test_a_given_size_is_kept():
+    config = config_for("d12_bov")
+    config.train.device_batch_size = 4
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+    assert device_rows.resolve(config, 2**19, mesh) is None
+    assert config.train.device_batch_size == 4
