@@ -50,14 +50,20 @@ def define_flags() -> None:
     flags.DEFINE_string("hlo_dir", None, "Also write each compiled step's HLO text here.")
 
 
+def count(n: int, noun: str) -> str:
+    """'1 row', '2 rows', '1 micro-batch', '8 micro-batches'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
+
+
 def summary_lines(report: dict) -> list[str]:
     """The report as a few readable lines."""
     lines = [
-        f"target {report['target']} ({report['device_kind']}, {report['chips']} chips, "
-        f"{report['hosts']} hosts, {report['hbm_gib']:.1f} GiB HBM each); mesh {report['mesh']}",
+        f"target {report['target']} ({report['device_kind']}, {count(report['chips'], 'chip')}, "
+        f"{count(report['hosts'], 'host')}, {report['hbm_gib']:.1f} GiB HBM each); "
+        f"mesh {report['mesh']}",
         f"config {report['config']}: {report['attention_impl']} attention, "
-        f"{report['compute_dtype']} compute; {report['micro_batches']} micro-batches of "
-        f"{report['device_batch_size']} rows x {report['seq_len']} per device",
+        f"{report['compute_dtype']} compute; {count(report['micro_batches'], 'micro-batch')} "
+        f"of {count(report['device_batch_size'], 'row')} x {report['seq_len']} per device",
     ]
     for name, step in report["steps"].items():
         if "compiler_refused" in step:

@@ -207,14 +207,19 @@ def analyse(
 
 def out_of_memory(err: Exception, seconds: float, cpu: float) -> dict[str, Any]:
     """The report of a step the compiler refused for want of HBM (the TPU compiler stops at
-    "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm ..."), with what it needed."""
+    "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm ..."), with what it needed.
+
+    The refusal names the temporaries it could not place, not the arguments beside them, so
+    the reported peak is a lower bound (`peak_is_lower_bound`)."""
     message = next(line for line in str(err).splitlines() if "RESOURCE_EXHAUSTED" in line)
     needed = re.search(r"required[^(]*\(([\d.]+)([KMGT])", message)
     scale = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}
+    temporaries = float(needed[1]) * scale[needed[2]] if needed else None
     return {
         "compile_seconds": round(seconds, 1),
         "compile_cpu_seconds": round(cpu, 1),
-        "memory_gib": {"peak": float(needed[1]) * scale[needed[2]] if needed else None},
+        "memory_gib": {"temporaries": temporaries, "peak": temporaries},
+        "peak_is_lower_bound": True,
         "fits": False,
         "compiler_refused": message.strip(),
     }
