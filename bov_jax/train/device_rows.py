@@ -29,6 +29,8 @@ FALLBACK_ROWS = 8
 COMPILED_ROWS: dict[tuple[int, str], int | None] = {
     (12, "v5p"): 32,
     (12, "v5e"): 8,
+    (12, "v6e"): 32,
+    (12, "h100"): 32,
     (12, "h200"): 32,
     (24, "v5p"): 16,
     (24, "v5e"): None,
