@@ -115,13 +115,12 @@ def configure(config: Any) -> Any:
         m.attention_impl = FLAGS.attention
     if FLAGS.device_batch_size:
         t.device_batch_size = FLAGS.device_batch_size
-    device_rows.resolve(
-        config, training_plan(config).total_batch_tokens, sharding.make_mesh(config.mesh)
-    )
+    paper_batch_tokens = training_plan(config).total_batch_tokens
+    device_rows.resolve(config, paper_batch_tokens, sharding.make_mesh(config.mesh))
     micro_tokens = t.device_batch_size * jax.device_count() * m.seq_len
     accum = FLAGS.micro_batches
     if not accum:
-        needed = max(1, training_plan(config).total_batch_tokens // micro_tokens)
+        needed = max(1, paper_batch_tokens // micro_tokens)
         accum = min(needed, FLAGS.max_micro_batches)
     t.target_flops, t.target_tokens, t.num_steps = -1.0, -1, 1000
     t.total_batch_tokens = accum * micro_tokens

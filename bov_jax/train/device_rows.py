@@ -70,14 +70,14 @@ def resolve(config: Any, total_batch_tokens: int, mesh: jax.sharding.Mesh) -> st
     kind = mesh.devices.flat[0].device_kind
     key = (config.model.depth, chip(kind))
     data_parallel = mesh.shape.get("fsdp", 1) == mesh.shape.get("tensor", 1) == 1
-    if data_parallel and key in COMPILED_ROWS and COMPILED_ROWS[key] is None:
+    from_table = data_parallel and key in COMPILED_ROWS
+    if from_table and COMPILED_ROWS[key] is None:
         raise ConfigError(
             f"train.device_batch_size=0 (auto): a depth-{key[0]} model does not fit {kind} "
             "chips with data parallelism at any compiled row count (docs/targets.md); shard "
             "it with --config.mesh.fsdp=N and give --config.train.device_batch_size=R"
         )
     per_step = total_batch_tokens // (config.model.seq_len * sharding.batch_size_per_step(mesh))
-    from_table = data_parallel and key in COMPILED_ROWS
     train.device_batch_size = largest_divisor(
         max(1, per_step), COMPILED_ROWS[key] if from_table else FALLBACK_ROWS
     )
