@@ -74,8 +74,9 @@ def default_config() -> ml_collections.ConfigDict:
     m.mlp_ratio = 4
     m.smear_channels = 24
     m.logit_softcap = 15.0
-    # Tokens (rows x time) per chunk of the chunked lm_head + softcap + cross-entropy: the
-    # fp32 logits exist one chunk at a time, (chunk, padded vocab), never for the whole batch.
+    # Tokens (rows x time) per device per chunk of the chunked lm_head + softcap +
+    # cross-entropy: the fp32 logits exist one chunk at a time, (chunk, padded vocab) on each
+    # device, never for the whole batch.
     m.loss_chunk_tokens = 1024
     m.param_dtype = "float32"
     # "auto": bfloat16 on accelerators, float32 on CPU; cuDNN attention on GPUs, the splash

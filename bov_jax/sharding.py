@@ -12,7 +12,11 @@ in the config (or this table), never the model.
                           its kv features follow the attention heads (tensor)
   batch       -> (data, fsdp)
 
-Axes are Auto (GSPMD propagation): gathers on sharded tables need no annotations.
+Axes are Auto (GSPMD propagation): gathers on sharded tables need no annotations. The
+activations are pinned to the batch axes (`constrain`, at the residual stream, the attention
+heads, the MLP hidden units and the loss's chunks): without that, GSPMD may follow a
+weight's fsdp split of the model width into the activations and gather whole micro-batches
+instead of weights.
 """
 
 from __future__ import annotations
@@ -77,6 +81,22 @@ def logical_to_mesh(logical: PartitionSpec | tuple | None) -> PartitionSpec:
     if logical is None:
         return PartitionSpec()
     return PartitionSpec(*(RULES.get(name) if name else None for name in logical))
+
+
+def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
+    """x with one logical axis name (or None) per dimension, laid out by `RULES` on the
+    ambient mesh (the train and eval steps trace under theirs); unchanged where none is set
+    (eager calls, decoding, single-device use). ("batch", None, "mlp") on (B, T, F) splits the
+    rows over (data, fsdp) and the hidden units over tensor."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical))
+
+
+def ambient_batch_shards() -> int:
+    """Devices the rows are split over on the ambient mesh (1 where none is set)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
 def shardings_for(logical_specs: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -113,6 +113,9 @@ def run_steps(config, mesh, steps=3):
 
 def test_sharded_mesh_gives_the_same_losses_as_one_device():
     config = train_config()
+    # 16 tokens per device per loss chunk: 16 chunks of 2 positions on one device, 4 of 8 on
+    # each of the 4 batch shards (the lm_head gradient summed per shard, then over them).
+    config.model.loss_chunk_tokens = 16
     assert len(jax.devices()) >= 8
     config.mesh.update(data=1, fsdp=1, tensor=1)
     single, _ = run_steps(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from bov_jax import sharding
 from bov_jax.model import layers, loss
 from bov_jax.model.spec import ModelSpec
 from bov_jax.model.tables import Table
@@ -178,8 +179,9 @@ class Attention(nnx.Module):
         self.c_proj = dense(spec, spec.kv_dim, spec.d_model, zeros, ("heads", "embed"), keys["c_q"])
 
     def heads(self, x: jax.Array) -> jax.Array:
-        """(B, T, K) -> (B, T, H, hd)."""
-        return x.reshape(*x.shape[:2], self.n_head, self.head_dim)
+        """(B, T, K) -> (B, T, H, hd), rows over the batch axes and heads over tensor."""
+        x = x.reshape(*x.shape[:2], self.n_head, self.head_dim)
+        return sharding.constrain(x, "batch", None, "heads", None)
 
     def queries_keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, ...]:
         """Rotary, then QK RMS-norm, then the 1.2 scale. x: (B, T, D) -> 2 x (B, T, H, hd)."""
@@ -215,7 +217,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         with jax.named_scope("mlp"):
-            return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
+            hidden = sharding.constrain(self.c_fc(x), "batch", None, "mlp")
+            return self.c_proj(jnp.square(jax.nn.relu(hidden)))
 
 
 class Block(nnx.Module):
@@ -227,7 +230,12 @@ class Block(nnx.Module):
         """Pre-norm residual block: (B, T, D) -> ((B, T, D), values (B, T, K))."""
         a, v = self.attn(layers.rms_norm(x), ctx, cos, sin)
         x = x + a
-        return x + self.mlp(layers.rms_norm(x)), v
+        return residual(x + self.mlp(layers.rms_norm(x))), v
+
+
+def residual(x: jax.Array) -> jax.Array:
+    """The residual stream (B, T, D), its rows over the batch axes and its width whole."""
+    return sharding.constrain(x, "batch", None, None)
 
 
 def layer_keys(key: jax.Array, layer: int) -> dict[str, jax.Array]:
@@ -274,7 +282,7 @@ class GPT(nnx.Module):
 
     def hidden(self, tokens: jax.Array) -> jax.Array:
         """(B, T) -> the final residual stream (B, T, D), before the last norm."""
-        x = self.smear(self.embed(tokens))
+        x = residual(self.smear(self.embed(tokens)))
         ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
         cos, sin = layers.rotary_tables(
             jnp.arange(tokens.shape[1]), self.spec.head_dim, self.spec.rope_base

@@ -9,6 +9,11 @@ inside one iteration of a `lax.scan`; the (B, T, Vp) logits and their gradient n
 computes the gradient during the forward scan (one pass over the vocabulary instead of a
 forward pass and a recomputing backward pass): the loss is a mean, so its cotangent is one
 scalar that scales the stored gradients. Both read the same per-chunk math, `_chunk_nll`.
+
+On a device mesh (the ambient one of the train and eval steps) the rows stay split over the
+batch axes: the chunk budget counts one device's tokens, the lm_head kernel is gathered once
+per call, and the kernel's gradient is summed per batch shard and reduced once, after the
+last chunk.
 """
 
 from __future__ import annotations
@@ -18,17 +23,38 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from bov_jax import sharding
+
 # exp(cap) must stay finite in fp32 (exp(88.7) overflows): the softmax skips the max shift.
 MAX_CAP = 80.0
 
 
-def chunk_length(rows: int, time: int, chunk_tokens: int) -> int:
-    """The largest divisor c of `time` with rows * c <= chunk_tokens (at least 1)."""
+def chunk_length(rows: int, time: int, chunk_tokens: int, shards: int = 1) -> int:
+    """The largest divisor c of `time` with rows / shards * c <= chunk_tokens (at least 1):
+    `chunk_tokens` counts one device's tokens when the rows are split over `shards`."""
     best = 1
     for c in range(1, time + 1):
-        if time % c == 0 and rows * c <= chunk_tokens:
+        if time % c == 0 and rows * c <= chunk_tokens * shards:
             best = c
     return best
+
+
+def _row_shards(rows: int) -> int:
+    """How many batch shards of the ambient mesh the rows split over: 1 where there is no
+    mesh or the rows do not divide evenly (e.g. a CORE batch of 3 rows on 8 devices)."""
+    shards = sharding.ambient_batch_shards()
+    return shards if rows % shards == 0 else 1
+
+
+def _chunks(h: jax.Array, chunk_tokens: int) -> int:
+    """The chunk length c for h (B, T, D) under the ambient mesh (the rows' shards)."""
+    return chunk_length(h.shape[0], h.shape[1], chunk_tokens, _row_shards(h.shape[0]))
+
+
+def _gathered(w: jax.Array) -> jax.Array:
+    """The lm_head kernel (D, Vp) whole along D (vocab columns stay over tensor): gathered
+    once per call, not once per chunk of the scan."""
+    return sharding.constrain(w, None, "vocab")
 
 
 def _chunk_nll(
@@ -42,7 +68,9 @@ def _chunk_nll(
     """
     if not 0 < cap <= MAX_CAP:
         raise ValueError(f"model.logit_softcap={cap}; the chunked loss needs 0 < cap <= {MAX_CAP}")
+    h = sharding.constrain(h, "batch", None, None)
     logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
+    logits = sharding.constrain(logits, "batch", None, "vocab")
     tanh = jnp.tanh(logits / cap)
     live = jnp.arange(w.shape[1]) < vocab_size
     # |cap * tanh| <= cap, so the softmax needs no max subtraction.
@@ -75,8 +103,8 @@ def token_nll(
     dtype), targets (B, T) int with -1 ignored -> (B, T) fp32, 0 at ignored positions.
     Columns >= vocab_size (padding) are excluded from the softmax.
     """
-    c = chunk_length(h.shape[0], h.shape[1], chunk_tokens)
-    w = w.astype(h.dtype)
+    c = _chunks(h, chunk_tokens)
+    w = _gathered(w.astype(h.dtype))
 
     def step(carry, chunk):
         h_c, t_c = chunk
@@ -102,10 +130,10 @@ def mean_nll(
 
 def _mean_nll_fwd(h, w, targets, vocab_size, cap, chunk_tokens):
     """The loss and its gradients in one scan over the chunks."""
-    c = chunk_length(h.shape[0], h.shape[1], chunk_tokens)
+    c = _chunks(h, chunk_tokens)
     valid = targets >= 0
     weight = 1.0 / jnp.maximum(valid.sum(), 1).astype(jnp.float32)
-    w_compute = w.astype(h.dtype)
+    w_compute = _gathered(w.astype(h.dtype))
 
     def step(dw, chunk):
         h_c, t_c = chunk
@@ -117,12 +145,27 @@ def _mean_nll_fwd(h, w, targets, vocab_size, cap, chunk_tokens):
         d_logits = (row_weight * (probs - onehot)) * (1.0 - tanh * tanh)
         d_logits = d_logits.astype(h.dtype)
         dh = jnp.einsum("bcv,dv->bcd", d_logits, w_compute, preferred_element_type=jnp.float32)
-        dw = dw + jnp.einsum("bcd,bcv->dv", h_c, d_logits, preferred_element_type=jnp.float32)
-        return dw, (nll.sum(), dh.astype(h.dtype))
+        partial = jnp.einsum(
+            "sbcd,sbcv->sdv",
+            _by_shards(h_c, shards),
+            _by_shards(d_logits, shards),
+            preferred_element_type=jnp.float32,
+        )
+        return dw + partial, (nll.sum(), dh.astype(h.dtype))
 
-    dw0 = jnp.zeros(w.shape, jnp.float32)
+    # One fp32 partial sum of the lm_head gradient per batch shard, (S, D, Vp), each on its
+    # own devices: the sum over the shards (one reduction) waits for the last chunk instead
+    # of costing one all-reduce of (D, Vp) per chunk.
+    shards = _row_shards(h.shape[0])
+    dw0 = sharding.constrain(jnp.zeros((shards, *w.shape), jnp.float32), "batch", None, "vocab")
     dw, (sums, dh) = jax.lax.scan(step, dw0, (_by_chunks(h, c), _by_chunks(targets, c)))
-    return sums.sum() * weight, (_from_chunks(dh), dw.astype(w.dtype))
+    return sums.sum() * weight, (_from_chunks(dh), dw.sum(0).astype(w.dtype))
+
+
+def _by_shards(x: jax.Array, shards: int) -> jax.Array:
+    """(B, ...) -> (S, B / S, ...), the leading axis over the batch shards (no data moves)."""
+    x = x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
+    return sharding.constrain(x, "batch", *(None,) * (x.ndim - 1))
 
 
 def _mean_nll_bwd(vocab_size, cap, chunk_tokens, residuals, g):

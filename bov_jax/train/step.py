@@ -133,12 +133,12 @@ def make_step_halves(
     batch_sh = sharding.batch_sharding(mesh, leading=1)
     rep = sharding.replicated(mesh)
     gradients = jax.jit(
-        functools.partial(accumulate_gradients, graphdef),
+        on_mesh(functools.partial(accumulate_gradients, graphdef), mesh),
         in_shardings=(state_shardings.params, batch_sh, batch_sh),
         out_shardings=(rep, state_shardings.params),
     )
     update = jax.jit(
-        functools.partial(apply_gradients, tx),
+        on_mesh(functools.partial(apply_gradients, tx), mesh),
         in_shardings=(state_shardings, rep, state_shardings.params),
         out_shardings=(state_shardings, rep),
         donate_argnums=0,
