@@ -129,6 +129,21 @@ def test_sharded_mesh_gives_the_same_losses_as_one_device():
     wte = state.params["wte"]["embedding"]
     assert len({str(s.index) for s in wte.addressable_shards}) == 4  # vocab x embed split 2 x 2
 
+    # Every optimizer buffer shaped like its parameter (AdamW's moments, Muon's momentum) is
+    # laid out as the parameter is, not replicated.
+    def dict_keys(path):
+        return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    params = {dict_keys(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+    matched = 0
+    for path, buffer in jax.tree_util.tree_leaves_with_path(state.opt_state):
+        keys = dict_keys(path)
+        param = next((params[keys[i:]] for i in range(len(keys)) if keys[i:] in params), None)
+        if param is not None and param.shape == buffer.shape:
+            assert buffer.sharding.spec == param.sharding.spec, path
+            matched += buffer.ndim >= 2 and param.sharding.spec != jax.sharding.PartitionSpec()
+    assert matched >= 2 * len(state.params["blocks"])  # at least two sharded buffers per layer
+
 
 def test_every_parameter_of_every_preset_gets_one_label():
     from bov_jax.presets import PRESETS

@@ -68,6 +68,14 @@ def make_optimizer(
     )
 
 
+def _laid_out_like_param(buffer: Any, param_sharding: NamedSharding) -> Any:
+    """An optimizer buffer shaped like its parameter, on the parameter's sharding (a masked
+    transform's placeholder, `optax.MaskedNode`, stays as it is)."""
+    if isinstance(buffer, optax.MaskedNode):
+        return buffer
+    return jax.lax.with_sharding_constraint(buffer, param_sharding)
+
+
 def train_state_init(
     config: Any, plan: TrainingPlan, mesh
 ) -> tuple[nnx.GraphDef, Callable[[], TrainState], optax.GradientTransformation]:
@@ -85,12 +93,21 @@ def train_state_init(
     def init() -> TrainState:
         model = GPT(spec, seed=config.seed)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        # Pinning the parameters lets their optimizer moments inherit the same layout.
         params = jax.lax.with_sharding_constraint(params, param_shardings)
+        # Every parameter-shaped buffer of the optimizer (AdamW's moments, Muon's momentum)
+        # takes its parameter's layout: left to propagation, zeros_like moments came out
+        # replicated (all of AdamW's, 1.1 of d12 BoV's 1.5 GiB per chip on an fsdp 8 mesh).
+        opt_state = optax.tree_map_params(
+            tx,
+            _laid_out_like_param,
+            tx.init(params),
+            param_shardings,
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        )
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=opt_state,
             rng=jax.random.key_data(jax.random.key(config.seed + 1)),
         )
 
