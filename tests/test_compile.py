@@ -56,6 +56,8 @@ def test_auto_choices_follow_the_target_not_the_host(report):
     assert (report["attention_impl"], report["compute_dtype"]) == ("splash", "bfloat16")
     assert report["device_kind"] == "TPU v5 lite" and report["chips"] == 4
     assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    # The report names the compiler options it ran under (conftest's 8 host devices).
+    assert "--xla_force_host_platform_device_count=8" in report["compiler_flags"]["XLA_FLAGS"]
 
 
 def test_train_step_holds_native_splash_kernels_and_fits(report):

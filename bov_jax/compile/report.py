@@ -8,6 +8,7 @@ train step (or the first step compiled); `steps` holds every compiled step's fig
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from bov_jax import sharding
@@ -18,6 +19,8 @@ from bov_jax.config import ConfigError, config_errors, validate_config
 from bov_jax.errors import UserError
 from bov_jax.model.spec import resolve_auto
 from bov_jax.train import device_rows
+
+COMPILER_FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,8 @@ def run(config: Any, options: Options, log: Any = progress) -> dict[str, Any]:
         "rows_per_step": layout.rows_per_step,
         "seq_len": config.model.seq_len,
         "steps": steps,
+        # The compiler options in effect (libtpu reads LIBTPU_INIT_ARGS, XLA XLA_FLAGS).
+        "compiler_flags": {k: os.environ[k] for k in COMPILER_FLAG_VARIABLES if os.environ.get(k)},
         "note": "compiled ahead of time for the target, not run",
     }
 
