@@ -126,15 +126,16 @@ def test_cli_prints_one_json_object():
 
 @pytest.mark.parametrize("name", ["d12", "d12_bov", "d12_add_x0"])
 def test_analytic_flops_agree_with_xla_cost_analysis(name):
-    """Long windows only (window pattern L), unrolled layers: both count the same work."""
+    """Unrolled layers, long and short windows: XLA's count of the compiled gradient against
+    the analytic one with the attention scores the blocked XLA attention computes."""
     from bov_jax.accounting import xla_cross_check
 
     config = config_for(name)
     config.model.update(
-        depth=3, model_dim=256, head_dim=64, vocab_size=512, seq_len=128, window_pattern="L"
+        depth=3, model_dim=256, head_dim=64, vocab_size=512, seq_len=128, window_pattern="SL"
     )
     check = xla_cross_check(config)
-    assert check["analytic_with_full_attention"] == check["analytic_flops_per_token"]
+    assert check["analytic_as_computed"] < check["analytic_flops_per_token"]
     assert abs(check["xla_over_comparable"] - 1) < 0.02, check
 
 

@@ -21,7 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bov_jax import sharding
-from bov_jax.accounting import TrainingPlan, attention_flops_per_token, param_counts
+from bov_jax.accounting import (
+    TrainingPlan,
+    attention_flops_per_token,
+    param_counts,
+    xla_attention_flops_per_token,
+)
 from bov_jax.compile import hlo
 from bov_jax.compile.targets import Target
 from bov_jax.files import write_text_atomic
@@ -231,15 +236,14 @@ def train_flops(setup: Setup, layout: BatchLayout, module: hlo.Module) -> dict[s
 
     The model's share is what was traced inside the micro-batch scan (forward, backward and
     loss); the rest is the optimizer's (Muon's orthogonalisation, replicated on every chip).
-    Attention inside kernels (splash, cuDNN) is not a dot XLA sees, and XLA's own attention
-    computes every T x T score; so the comparable analytic figure is the matmul part plus,
-    for XLA attention only, full (not windowed) attention."""
+    Attention inside kernels (splash, cuDNN) is not a dot XLA sees; so the comparable analytic
+    figure is the matmul part plus, for XLA attention only, the scores it computes
+    (`accounting.xla_attention_flops_per_token`)."""
     spec = setup.spec
     tokens = layout.rows_per_step * spec.seq_len
     matmul = 6 * param_counts(spec).flop_matmul * tokens
-    full_attention = 12 * spec.n_head * spec.head_dim * spec.seq_len * spec.n_layer * tokens
     in_kernels = spec.attention_impl in ("splash", "cudnn")
-    comparable = matmul + (0 if in_kernels else full_attention)
+    comparable = matmul + (0 if in_kernels else xla_attention_flops_per_token(spec) * tokens)
     xla = hlo.matmul_flops(module) * setup.mesh.size
     model = hlo.matmul_flops(module, traced_in=MICRO_BATCH_SCAN) * setup.mesh.size
     return {

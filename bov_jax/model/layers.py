@@ -82,21 +82,31 @@ def blocked_attention(
 
     q, k, v: (B, T, H, hd) -> (B, T, H, hd).
     """
-    seq = q.shape[1]
-    size = seq // blocks if seq % blocks == 0 else seq
-    outputs = []
-    for start in range(0, seq, size):
-        stop, first_key = start + size, max(0, start - window)
-        outputs.append(
-            _masked_attention(
-                q[:, start:stop],
-                k[:, first_key:stop],
-                v[:, first_key:stop],
-                offset=start - first_key,
-                window=window,
-            )
+    outputs = [
+        _masked_attention(
+            q[:, start:stop],
+            k[:, first_key:stop],
+            v[:, first_key:stop],
+            offset=start - first_key,
+            window=window,
         )
+        for start, stop, first_key in query_blocks(q.shape[1], window, blocks)
+    ]
     return outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=1)
+
+
+def query_blocks(seq: int, window: int, blocks: int = QUERY_BLOCKS) -> list[tuple[int, int, int]]:
+    """`blocked_attention`'s plan: (first query, end query, first key) of each block; a
+    block's keys end where its queries do."""
+    size = seq // blocks if seq % blocks == 0 else seq
+    return [(start, start + size, max(0, start - window)) for start in range(0, seq, size)]
+
+
+def scored_pairs(seq: int, window: int, blocks: int = QUERY_BLOCKS) -> int:
+    """(query, key) scores `blocked_attention` computes per row and head (seq^2 at 1 block)."""
+    return sum(
+        (stop - start) * (stop - first) for start, stop, first in query_blocks(seq, window, blocks)
+    )
 
 
 def _masked_attention(
