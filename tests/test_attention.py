@@ -32,12 +32,11 @@ def reference(q, k, v, window):
     ("seq", "window", "blocks"),
     [
         (64, 63, 4),  # causal: blocks see 16, 32, 48, 64 keys
-        (64, 1000, 4),  # window past the start
         (64, 10, 4),  # window shorter than a block: each block starts 10 keys back
         (64, 20, 4),  # window longer than a block
         (64, 0, 4),  # each query sees itself only
         (60, 20, 8),  # T not divisible: one block
-        (64, 20, 1),
+        (64, 20, 1),  # one block: the default below MIN_QUERY_BLOCK queries a block
     ],
 )
 def test_blocked_attention_equals_full_masked_attention(seq, window, blocks):
@@ -63,3 +62,15 @@ def test_blocked_attention_in_bf16_scores_in_fp32_like_the_reference():
     np.testing.assert_allclose(
         out.astype(jnp.float32), want.astype(jnp.float32), rtol=2e-2, atol=2e-2
     )
+
+
+def test_default_plan_keeps_blocks_of_at_least_min_queries():
+    assert layers.query_blocks(512, 511) == [
+        (0, 128, 0),
+        (128, 256, 0),
+        (256, 384, 0),
+        (384, 512, 0),
+    ]
+    assert layers.query_blocks(256, 63) == [(0, 128, 0), (128, 256, 65)]
+    assert layers.query_blocks(64, 63) == [(0, 64, 0)]
+    assert layers.scored_pairs(512, 511) == 512 * 512 * 5 // 8
