@@ -80,9 +80,9 @@ def blocked_attention(
 ) -> jax.Array:
     """`attention` in XLA ops over `blocks` equal blocks of queries (default `query_blocks`'s;
     one block where T does not divide): the block of queries [a, b) is scored against keys
-    [max(0, a - window), b)
-    only, so the masked-out upper triangle (and what lies beyond the window) is mostly never
-    computed. Scores and softmax in fp32, as jax.nn.dot_product_attention's "xla" path.
+    [max(0, a - window), b) only, so the masked-out upper triangle (and what lies beyond the
+    window) is mostly never computed. Scores and softmax in fp32, as
+    jax.nn.dot_product_attention's "xla" path.
 
     q, k, v: (B, T, H, hd) -> (B, T, H, hd).
     """

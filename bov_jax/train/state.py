@@ -37,8 +37,12 @@ def all_finite(tree: Any) -> jax.Array:
     reduction materialises the broadcast 0 as a second array to read: 4.6x slower over four
     (32768, 256) fp32 tables (51 ms against 11 ms).
     """
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    zeros = [jnp.sum(x.astype(jnp.float32) - x.astype(jnp.float32)) for x in leaves]
+    leaves = [
+        x.astype(jnp.float32)
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    zeros = [jnp.sum(x - x) for x in leaves]
     return jnp.isfinite(sum(zeros, jnp.float32(0.0)))
 
 
