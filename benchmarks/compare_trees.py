@@ -5,7 +5,8 @@ shared machine falls on both alike.
     python benchmarks/compare_trees.py --trees=/tmp/base,. --config=a --reps=5 --steps=2
 
 Each tree runs in its own worker process (its own `bov_jax` on PYTHONPATH): the worker
-builds and compiles the train step once, then times `--steps` steps per request. The driver
+prepares the process as that tree's `bov_jax.main` does (`prepare_host`), builds and compiles
+the train step once, then times `--steps` steps per request. The driver
 asks the workers in turn, `--reps` times, and prints per-tree medians and the ratio of
 tokens/s of each tree to the first one (median and range over the repetitions).
 
@@ -17,6 +18,7 @@ configs/quickstart.py as shipped.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -65,10 +67,20 @@ def compiled_step(config_name: str):
     return compiled, state, batch, rows * seq
 
 
+def prepare_host() -> None:
+    """What the tree's `bov_jax.main` does to the process before JAX starts its backend
+    (trees before bov_jax/train/host_memory.py do nothing)."""
+    if importlib.util.find_spec("bov_jax.train.host_memory") is not None:
+        from bov_jax.train.host_memory import reuse_freed_memory_on_cpu
+
+        reuse_freed_memory_on_cpu()
+
+
 def worker(config_name: str) -> None:
     """Compile the train step, then answer each stdin line `n` with the seconds of n steps."""
     import jax
 
+    prepare_host()
     compiled, state, batch, tokens = compiled_step(config_name)
     print(json.dumps({"ready": True, "tokens_per_step": tokens}), flush=True)
     for line in sys.stdin:

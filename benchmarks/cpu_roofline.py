@@ -27,7 +27,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # compare_trees, then this tree's bov_jax
 
-from compare_trees import build_config, compiled_step  # noqa: E402
+from compare_trees import build_config, compiled_step, prepare_host  # noqa: E402
 
 from bov_jax.accounting import training_plan  # noqa: E402
 
@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="train steps per repetition")
     parser.add_argument("--size", type=int, default=4096, help="side of the square matmul")
     args = parser.parse_args()
+    prepare_host()
     flops_per_token = training_plan(build_config(args.config)).flops_per_token
     step, state, batch, tokens = compiled_step(args.config)
     rounds = []

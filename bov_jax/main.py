@@ -28,7 +28,7 @@ from bov_jax import cli
 from bov_jax.config import check_config_arguments, define_config_flag, describe_keys
 from bov_jax.errors import UserError
 from bov_jax.prepare import check_prepared
-from bov_jax.train import xla_flags
+from bov_jax.train import host_memory, xla_flags
 
 FLAGS = flags.FLAGS
 
@@ -153,6 +153,7 @@ def main(argv: list[str]) -> None:
             raise UserError(f"--{name} is required (--help explains the flags)")
     check_prepared(FLAGS.config, sys.argv[1:])  # a paper config on unprepared data: say how
     xla_flags.set_gpu_flags()  # before the backend starts
+    host_memory.reuse_freed_memory_on_cpu()  # before the backend starts
     initialize_distributed()
     configure_logging()
     from bov_jax.train.loop import run

@@ -39,7 +39,11 @@ FIELDS = (
 )
 
 
-def test_bench_train_reports_every_field_for_both_configs(tmp_path, capsys, command_flags):
+def test_bench_train_reports_every_field_for_both_configs(
+    tmp_path, capsys, command_flags, monkeypatch
+):
+    # In the test's own process: leave its malloc settings alone (bov_jax/train/host_memory.py).
+    monkeypatch.setenv("BOV_HOST_MALLOC", "0")
     config = tmp_path / "tiny.py"
     config.write_text(TINY_CONFIG)
     out = tmp_path / "bench.json"

@@ -51,7 +51,7 @@ from bov_jax.data.pipeline import make_batch_iterator
 from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic
 from bov_jax.model.spec import ModelSpec
-from bov_jax.train import device_rows, xla_flags
+from bov_jax.train import device_rows, host_memory, xla_flags
 from bov_jax.train.metrics import peak_flops_per_device
 from bov_jax.train.state import create_train_state
 from bov_jax.train.step import make_step_halves, make_train_step
@@ -322,6 +322,7 @@ def bench_data(path: str) -> None:
 
 def main(argv: list[str]) -> None:
     xla_flags.set_gpu_flags()  # before the backend starts
+    host_memory.reuse_freed_memory_on_cpu()  # before the backend starts
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}", flush=True)
     if argv[1] == "data":
         bench_data(FLAGS.configs[0])
