@@ -68,8 +68,8 @@ def compiled_step(config_name: str):
 
 
 def prepare_host() -> None:
-    """What the tree's `bov_jax.main` does to the process before JAX starts its backend
-    (trees before bov_jax/train/host_memory.py do nothing)."""
+    """The host-memory setting that the tree's `bov_jax.main` applies on CPU before JAX starts
+    its backend (trees before bov_jax/train/host_memory.py have none)."""
     if importlib.util.find_spec("bov_jax.train.host_memory") is not None:
         from bov_jax.train.host_memory import reuse_freed_memory_on_cpu
 

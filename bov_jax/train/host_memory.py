@@ -23,6 +23,8 @@ import ctypes.util
 import glob
 import os
 
+from bov_jax.train import xla_flags
+
 # mallopt parameters of glibc's malloc.h.
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -36,8 +38,8 @@ def runs_on_host_cpu(environ: os._Environ | dict) -> bool:
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    accelerators = glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
-    return not (os.path.exists("/dev/nvidiactl") or accelerators)
+    tpus = glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
+    return not (xla_flags.on_nvidia_gpu(environ) or tpus)
 
 
 def reuse_freed_memory() -> bool:
