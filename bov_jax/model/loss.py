@@ -72,9 +72,10 @@ def _chunk_nll(
     logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
     logits = sharding.constrain(logits, "batch", None, "vocab")
     tanh = jnp.tanh(logits / cap)
-    live = jnp.arange(w.shape[1]) < vocab_size
     # |cap * tanh| <= cap, so the softmax needs no max subtraction.
-    exp = jnp.where(live, jnp.exp(cap * tanh), 0.0)
+    exp = jnp.exp(cap * tanh)
+    if w.shape[1] > vocab_size:  # padded columns: out of the softmax (a pass only if any)
+        exp = jnp.where(jnp.arange(w.shape[1]) < vocab_size, exp, 0.0)
     total = jnp.sum(exp, axis=-1)
     valid = targets >= 0
     picked = jnp.take_along_axis(tanh, jnp.where(valid, targets, 0)[..., None], axis=-1)
