@@ -65,6 +65,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def open_to_all(path: Path) -> bool:
+    """Whether every directory from / down to `path` lets all users through (o+x): munged
+    refuses a socket below one that does not."""
+    path = path.resolve()
+    return all(p.stat().st_mode & 0o001 for p in (path, *path.parents))
+
+
+def base_open_to_all() -> Path:
+    """The directory for the cluster's files: the temp dir, or /tmp where TMPDIR (or one of
+    its parents) is closed to others, as a `mktemp -d` TMPDIR is."""
+    for base in (Path(tempfile.gettempdir()), Path("/tmp")):
+        if base.is_dir() and open_to_all(base):
+            return base
+    pytest.fail(
+        f"munged needs a temp dir open to all (o+x): neither {tempfile.gettempdir()} nor /tmp is"
+    )
+
+
 @dataclasses.dataclass
 class Cluster:
     """A running one-node cluster: its directory, the clients' environment, its daemons."""
@@ -181,7 +199,7 @@ def cluster() -> Iterator[Cluster]:
     for tool in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch"):
         assert shutil.which(tool), f"{tool} not found: apt-get install slurm-wlm munge"
     # munged wants its socket's directory open to all; pytest's temp dirs are 0700.
-    root = Path(tempfile.mkdtemp(prefix="bov_jax_slurm_"))
+    root = Path(tempfile.mkdtemp(prefix="bov_jax_slurm_", dir=base_open_to_all()))
     root.chmod(0o755)
     for sub in ("state", "spool", "log", "munge"):
         (root / sub).mkdir(mode=0o755)
