@@ -8,7 +8,8 @@ environment) with the losses of one process over 2 devices; (b) the time-limit s
 (`scancel --signal=TERM`, sent to the job's steps as --signal=TERM@300 does) checkpoints, the
 script requeues the job and the resumed run has the uninterrupted losses; (c) the sweep's
 slurm_array.sbatch runs 2 jobs and `report` reads both; and a GPU job on CPU jax stops at
-start with one line.
+start with one line. Without SLURM the tests are skipped with the install line, except under
+BOV_REQUIRE_SLURM=1 (CI), where they fail.
 """
 
 from __future__ import annotations
@@ -196,8 +197,16 @@ def stop(cluster: Cluster) -> None:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
-    for tool in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch"):
-        assert shutil.which(tool), f"{tool} not found: apt-get install slurm-wlm munge"
+    missing = [
+        t for t in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch") if not shutil.which(t)
+    ]
+    if missing:
+        # A machine without SLURM skips these tests, saying so; CI (.ci/run installs SLURM and
+        # sets BOV_REQUIRE_SLURM=1) fails instead, so that they cannot vanish from it.
+        message = f"SLURM not installed ({', '.join(missing)}): apt-get install slurm-wlm munge"
+        if os.environ.get("BOV_REQUIRE_SLURM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     # munged wants its socket's directory open to all; pytest's temp dirs are 0700.
     root = Path(tempfile.mkdtemp(prefix="bov_jax_slurm_", dir=base_open_to_all()))
     root.chmod(0o755)
@@ -316,7 +325,14 @@ def test_sweep_array_runs_both_jobs_and_report_reads_them(cluster, tmp_path):
     root = tmp_path / "sweep"
     venv = tmp_path / "venv"  # a stand-in virtual environment: VENV/bin/python
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
+    # A script that runs this interpreter, not a symlink to it: a symlinked venv python
+    # resolves to the base interpreter, without the venv's packages (pytest in a venv).
+    stand_in = venv / "bin" / "python"
+    marker = f"stand-in python of {venv}"
+    stand_in.write_text(
+        f'#!/bin/sh\necho "{marker}" >&2\nexec {shlex.quote(sys.executable)} "$@"\n'
+    )
+    stand_in.chmod(0o755)
     overrides = [f"--override={flag.removeprefix('--config.')}" for flag in FLAGS]
     # the array's resources: one CPU each, both tasks at once (not the default --exclusive)
     options = (*CPU_JOB, "--ntasks-per-node=1", "--exclusive=user")
@@ -346,7 +362,7 @@ def test_sweep_array_runs_both_jobs_and_report_reads_them(cluster, tmp_path):
     states = cluster.wait(job, root / "slurm-*.out")
     logs = "\n".join(p.read_text() for p in sorted(root.glob("slurm-*.out")))
     assert len(states) == 2 and all(s["JobState"] == "COMPLETED" for s in states), logs[-4000:]
-    assert logs.count(f"under {venv}/bin/python: cpu") == 2
+    assert logs.count(marker) >= 2 and logs.count(f"under {sys.executable}: cpu") == 2
     assert "#SBATCH --exclusive=user\n" in script.read_text()
     for seed in (0, 1):
         assert [r["step"] for r in metrics(root / "tiny" / f"seed{seed}")] == list(range(STEPS + 1))
