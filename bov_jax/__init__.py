@@ -2,7 +2,7 @@
 
 import flax
 
-from bov_jax.backends import skip_absent_tpu
+from bov_jax.train.platform import skip_absent_tpu
 
 # Parameters carry logical axis names; they are placed on a mesh by the trainer
 # (bov_jax.sharding), so creating a model needs no mesh in scope.

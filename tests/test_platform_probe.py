@@ -1,4 +1,4 @@
-"""No TPU probe on a host without a TPU (bov_jax/backends.py), while TPU compiles still work."""
+"""No TPU probe on a host without a TPU (bov_jax/train/platform.py.skip_absent_tpu)."""
 
 import importlib.util
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bov_jax.backends import platforms_without_tpu
+from bov_jax.train.platform import platforms_without_tpu
 
 REPO = Path(__file__).resolve().parents[1]
 TPU_NOISE = ("libtpu", "TPU", "InitGoogle", "host bounds", "worker hostname")
