@@ -7,16 +7,17 @@ fix, exit 2. Job scripts run it before they start the training processes
 once instead of training on the host's CPUs.
 
 No TPU probe where there is no TPU. With libtpu installed (requirements-aot.txt, for
-`bov_jax.compile`'s TPU targets) and JAX_PLATFORMS unset, jax starts every backend it knows, TPU included, and libtpu prints half a
-dozen lines on a host without TPU chips ("Failed to find host bounds", "Logging before
-InitGoogle()", ...) before jax falls back to the CPU. `skip_absent_tpu` runs when `bov_jax` is
-imported, before any backend starts: on a host with no TPU chip on its PCI bus it sets this
-process's `jax_platforms` to the backends that can start here (the CPU, and CUDA where an
-NVIDIA GPU and jax's CUDA plugin are both present), so libtpu is never loaded. It changes
-nothing where JAX_PLATFORMS is set (the user's choice), where a TPU is present, or where
-libtpu is not installed. Only this process's config is set, not the environment, so the jobs
-a command launches on other hosts choose for themselves. Compiling for a TPU target loads
-libtpu on its own (`jax.experimental.topologies`), so `bov_jax.compile` is unaffected.
+`bov_jax.compile`'s TPU targets) and JAX_PLATFORMS unset, jax starts every backend it knows,
+TPU included, and libtpu prints half a dozen lines on a host without TPU chips ("Failed to find
+host bounds", "Logging before InitGoogle()", ...) before jax falls back to the CPU.
+`skip_absent_tpu` runs when `bov_jax` is imported, before any backend starts: on a host with no
+TPU chip on its PCI bus it sets this process's `jax_platforms` to the backends that can start
+here (the CPU, and CUDA where an NVIDIA GPU and jax's CUDA plugin are both present), so libtpu
+is never loaded. It changes nothing where JAX_PLATFORMS is set (the user's choice), where a TPU
+is present, or where libtpu is not installed. Only this process's config is set, not the
+environment, so the jobs a command launches on other hosts choose for themselves. Compiling for
+a TPU target loads libtpu on its own (`jax.experimental.topologies`), so `bov_jax.compile` is
+unaffected.
 """
 
 from __future__ import annotations
