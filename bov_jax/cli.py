@@ -161,6 +161,9 @@ def guarded(call: Callable[..., object], *args: object, debug: bool = False) -> 
     process ended with its exit status; with `debug`, or for any other error, it propagates."""
     try:
         return call(*args)
+    except BrokenPipeError:  # the reader of stdout left (`| head`): end quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except (UserError, OSError) as err:
         user_error = os_user_error(err) if isinstance(err, OSError) else err
         if user_error is None or debug:

@@ -8,9 +8,11 @@ checks the whole tree before anything is compiled and names the offending key.
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import math
 import re
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -531,16 +533,108 @@ def unknown_key_message(key: str, known: list[str], where: str) -> str:
     return message + " (--show_config lists every key)"
 
 
+SECTIONS = ("data", "model", "optim", "train", "mesh", "checkpoint")
+EXPECTED_CONFIG = "an ml_collections.ConfigDict with the sections " + ", ".join(SECTIONS)
+CONFIG_HINT = "hint: start from bov_jax.config.default_config() or bov_jax.presets.config_for()"
+CAUSE_CHARS = 90  # an error line names the file and the cause in about 200 characters
+
+
+def _cause(err: BaseException) -> str:
+    """'ValueError: the first line of its message', cut to CAUSE_CHARS."""
+    message = err.args[0] if isinstance(err, KeyError) and err.args else err  # not its repr
+    lines = str(message).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS - 3] + "..."
+
+
+def _line_in(err: BaseException, path: Path) -> str:
+    """', line N': the last line of the config file `path` in err's traceback ('' if none)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    lines = [f.lineno for f in frames if Path(f.filename).resolve() == path.resolve()]
+    return f", line {lines[-1]}" if lines else ""
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """The config of `spec`, 'path.py' or 'path.py:preset': the file's get_config(preset).
+
+    The one loader of every command that takes a config file (--config, the bench's --configs,
+    the sweep's runs). Each way a file can be wrong is one ConfigError that names the file
+    (and its line, where there is one) and what was expected: missing or unreadable, a syntax
+    error, an exception while importing it (a missing module) or inside get_config, no
+    get_config, and a result that is not a ConfigDict with the schema's sections. The
+    original exception is chained (--debug shows its traceback). Returns the config locked
+    (keys may change, none may be added), as ml_collections' --config flag does.
+    """
+    path_text, _, preset = spec.partition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found (--config={spec})")
+    module_spec = importlib.util.spec_from_file_location(f"bov_jax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as err:
+        if err.filename and Path(err.filename).resolve() == path.resolve():
+            raise ConfigError(
+                f"config file {path}, line {err.lineno}: syntax error: {err.msg}"
+            ) from err
+        raise ConfigError(f"config file {path}{_line_in(err, path)}: {_cause(err)}") from err
+    except Exception as err:  # a user's file: name it and the cause, in one line
+        raise ConfigError(
+            f"config file {path}{_line_in(err, path)} failed to load: {_cause(err)}"
+        ) from err
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
+        raise ConfigError(
+            f"config file {path} defines no get_config(); expected one returning {EXPECTED_CONFIG}"
+            f"\n{CONFIG_HINT}"
+        )
+    call = f"get_config({preset!r})" if preset else "get_config()"
+    try:
+        config = get_config(preset) if preset else get_config()
+    except ConfigError as err:  # ours (an unknown preset): its message is already one line
+        raise ConfigError(f"config file {path}: {err}") from err
+    except Exception as err:  # a user's function
+        raise ConfigError(
+            f"config file {path}{_line_in(err, path)}: {call} raised {_cause(err)}"
+        ) from err
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(
+            f"config file {path}: {call} returned {type(config).__name__}; expected "
+            f"{EXPECTED_CONFIG}\n{CONFIG_HINT}"
+        )
+    missing = [
+        name for name in SECTIONS if not isinstance(config.get(name), ml_collections.ConfigDict)
+    ]
+    if missing:
+        raise ConfigError(
+            f"config file {path}: {call} returned a ConfigDict without the section"
+            f"{'s' if len(missing) > 1 else ''} {', '.join(missing)}\n{CONFIG_HINT}"
+        )
+    config.lock()
+    return config
+
+
+def config_file_arguments(argv: list[str]) -> list[str]:
+    """The values of --config in `argv`, as --config=FILE or --config FILE."""
+    values = []
+    for i, arg in enumerate(argv):
+        if arg.startswith(CONFIG_FLAG + "="):
+            values.append(arg.partition("=")[2])
+        elif arg == CONFIG_FLAG and i + 1 < len(argv):
+            values.append(argv[i + 1])
+    return values
+
+
 def check_config_arguments(argv: list[str]) -> None:
-    """Before absl loads the config: the file of --config exists, every --config.<key> is known."""
+    """Before absl loads the config: the file of --config loads to a config with every
+    section (`load_config_file`), every --config.<key> is known."""
+    for value in config_file_arguments(argv[1:]):
+        load_config_file(value)
     known = None
     for arg in argv[1:]:
         name, _, value = arg.partition("=")
-        if name == CONFIG_FLAG and value:
-            path = Path(value.split(":", 1)[0])
-            if not path.is_file():
-                raise ConfigError(f"config file {path} not found (--config={value})")
-        elif name.startswith(CONFIG_FLAG + "."):
+        if name.startswith(CONFIG_FLAG + "."):
             known = known if known is not None else config_key_paths()
             key = name[len(CONFIG_FLAG) + 1 :]
             if key not in known:

@@ -338,9 +338,10 @@ def main(argv: Sequence[str]) -> None:
 def define_flags() -> None:
     """The command's flags (defined only when run, so that importing this module defines none)."""
     from absl import flags
-    from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+    from bov_jax.config import define_config_flag
+
+    define_config_flag()
     flags.DEFINE_integer("batch", 1, "Sequences in the batch.")
     flags.DEFINE_list("context", ["2048", "65536", "1048576"], "Context lengths.")
     flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "K/V and bank dtype.")

@@ -16,6 +16,7 @@ import ml_collections
 
 from bov_jax import cli
 from bov_jax.config import AUTO_DEVICE_ROWS, default_config
+from bov_jax.errors import ConfigError
 from bov_jax.model.values import ValuePathSpec
 
 # The paper's compute budgets (spec 2.5): the d12 rows (Table 1, Fig. 5(b)) run at 1.5e18 FLOPs;
@@ -204,7 +205,7 @@ PRESETS: dict[str, Preset] = {
 def config_for(name: str) -> ml_collections.ConfigDict:
     """The full config of a preset: reference defaults plus depth, value path, horizon."""
     if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
     preset = PRESETS[name]
     config = default_config()
     config.name = name

@@ -141,7 +141,7 @@ def listed_flags(help_text: str) -> set[str]:
         (
             "bov_jax.main",
             ["--config=configs/ablations.py:no_such_preset", "--workdir=unused"],
-            "cannot load the config: unknown preset 'no_such_preset'; known presets: d12,",
+            "configs/ablations.py: unknown preset 'no_such_preset'; known presets: d12,",
         ),
     ],
 )

@@ -11,9 +11,9 @@ import pytest
 
 from bov_jax import sharding
 from bov_jax.compile import targets
+from bov_jax.config import load_config_file
 from bov_jax.errors import ConfigError
 from bov_jax.presets import config_for
-from bov_jax.sweep.config_files import load_config
 from bov_jax.train import device_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def data_parallel_reports() -> dict[tuple[int, str, int], bool]:
     for path in REPORTS:
         report = json.loads(path.read_text())
         if report["mesh"]["fsdp"] == report["mesh"]["tensor"] == 1:
-            depth = load_config(str(REPO / report["config"])).model.depth
+            depth = load_config_file(str(REPO / report["config"])).model.depth
             key = (depth, device_rows.chip(report["device_kind"]), report["device_batch_size"])
             found[key] = found.get(key, True) and report["fits"]
     return found

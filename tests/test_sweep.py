@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from bov_jax.config import load_config_file
 from bov_jax.errors import UserError
 from bov_jax.sweep import jobs as sweeps
-from bov_jax.sweep.config_files import apply_override, load_config
+from bov_jax.sweep.config_files import apply_override
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,7 @@ def test_unknown_run_and_key_are_user_errors(tmp_path):
 
 
 def test_overrides_take_the_type_of_the_default():
-    config = load_config(str(REPO / "configs/quickstart.py:d12"))
+    config = load_config_file(str(REPO / "configs/quickstart.py:d12"))
     assert apply_override(config, "train.target_flops=3.91e19") == ("train.target_flops", 3.91e19)
     assert apply_override(config, "train.skip_nonfinite=true")[1] is True
     assert apply_override(config, "optim.embedding_betas=(0.9, 0.99)")[1] == (0.9, 0.99)

@@ -182,10 +182,10 @@ def test_inconsistent_batch_fails_before_compiling():
 def test_batch_error_proposes_the_fix():
     """The quickstart on 2 devices (launch/local_multiprocess.sh 2): 8 rows of 512 tokens
     per step are 4 per device, fewer than train.device_batch_size=8."""
-    from bov_jax.sweep.config_files import load_config
+    from bov_jax.config import load_config_file
     from bov_jax.train.layout import BatchLayout, divisibility_fix
 
-    config = load_config("configs/quickstart.py")
+    config = load_config_file("configs/quickstart.py")
     mesh = sharding.make_mesh(config.mesh, jax.devices()[:2])
     with pytest.raises(
         ValueError,

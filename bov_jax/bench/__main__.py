@@ -41,14 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
 from bov_jax import cli, sharding
 from bov_jax.accounting import training_plan
 from bov_jax.bench import profile
+from bov_jax.config import load_config_file
 from bov_jax.data.config import default_data_config
 from bov_jax.data.pipeline import make_batch_iterator
-from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train import device_rows, host_memory, xla_flags
@@ -88,13 +87,6 @@ def define_flags() -> None:
     flags.DEFINE_bool(
         "parts", True, "Also time the step's two halves (compiles the gradient half: ~2x compile)."
     )
-
-
-def load_config(path: str) -> Any:
-    try:
-        return config_flags.config_flags.ConfigFileFlagParser(name="config").parse(path)
-    except (OSError, ImportError) as err:
-        raise UserError(f"--configs: cannot load {path!r}: {err}") from err
 
 
 def configure(config: Any) -> Any:
@@ -161,7 +153,7 @@ class TrainBench:
 
     def __init__(self, path: str):
         self.path = path
-        self.config = config = configure(load_config(path))
+        self.config = config = configure(load_config_file(path))
         self.spec = ModelSpec.from_config(config.model)
         self.plan = training_plan(config)
         mesh = sharding.make_mesh(config.mesh)
@@ -308,7 +300,7 @@ def bench_data(path: str) -> None:
     """Pipeline tokens/s (0 and 2 workers) against the train step's consumption."""
     from bov_jax.data.bench import measure_pipeline
 
-    config = load_config(path)
+    config = load_config_file(path)
     seq, rows = config.model.seq_len, config.train.device_batch_size * jax.device_count()
     produced = {
         workers: measure_pipeline(config.data, seq, rows, FLAGS.seconds, workers)

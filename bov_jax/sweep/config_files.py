@@ -1,9 +1,10 @@
-"""Loading experiment configs the way `--config=path.py[:arg]` does, and applying overrides.
+"""Loading sweep files, and applying config overrides as `--config.<key>=<value>` does.
 
-The sweep needs the resolved config of every run before it launches anything (to validate it
-and to print its horizon), and the same overrides are then passed to `bov_jax.main` as
-`--config.<key>=<value>` flags, so both readings must agree: values are converted to the type of
-the key's default, as ml_collections' flag parser does.
+Config files load through `bov_jax.config.load_config_file`, as every command's. The sweep needs
+the resolved config of every run before it launches anything (to validate it and to print its
+horizon), and the same overrides are then passed to `bov_jax.main` as `--config.<key>=<value>`
+flags, so both readings must agree: values are converted to the type of the key's default, as
+ml_collections' flag parser does.
 """
 
 from __future__ import annotations
@@ -31,18 +32,6 @@ def load_python_file(path: str | Path, what: str) -> Any:
     except Exception as err:  # a user file: report which one failed and why
         raise UserError(f"{what} {path} failed to load: {type(err).__name__}: {err}") from err
     return module
-
-
-def load_config(spec: str) -> ml_collections.ConfigDict:
-    """'configs/quickstart.py:d12' -> get_config('d12'); 'configs/d24.py' -> get_config()."""
-    path, _, arg = spec.partition(":")
-    module = load_python_file(path, "config file")
-    if not hasattr(module, "get_config"):
-        raise UserError(f"config file {path} has no get_config()")
-    try:
-        return module.get_config(arg) if arg else module.get_config()
-    except (KeyError, TypeError) as err:
-        raise UserError(f"config {spec}: {err}") from err
 
 
 def parse_value(text: str, default: Any) -> Any:

@@ -34,9 +34,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bov_jax.config import load_config_file, validate_config
 from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic, write_text_atomic
-from bov_jax.sweep.config_files import apply_override, load_config, load_python_file
+from bov_jax.sweep.config_files import apply_override, load_python_file
 from bov_jax.train import workdir_lock
 
 LAYOUTS = ("table1", "d24", "fig5b", "plain")
@@ -165,7 +166,6 @@ def expand(
     """Every (run, seed) job, run-major; each config is built and validated here, so a bad run
     fails before anything is launched."""
     from bov_jax.accounting import training_plan
-    from bov_jax.config import validate_config
 
     if seeds < 1:
         raise UserError(f"--seeds={seeds}; expected at least 1")
@@ -174,7 +174,7 @@ def expand(
         base = [as_override(k, v) for k, v in {**sweep.overrides, **run.overrides}.items()]
         for seed in range(seeds):
             overrides = merge_overrides([*base, *extra_overrides, f"seed={seed}"])
-            config = load_config(in_repo(run.config))
+            config = load_config_file(in_repo(run.config))
             for item in overrides:
                 apply_override(config, item)
             try:
