@@ -17,8 +17,11 @@ tokenizer's vocabulary. Four steps, each skipped when its result is already ther
 3. token cache: DIR/token_cache (or data.cache_dir), bov_jax/data/token_cache.py.
 4. DIR/prepared.json: what was prepared, and the train split's token count against the horizon.
 
-On a DIR whose prepared.json matches the request, the command verifies the shards (sizes and
-footers), the tokenizer's digest and the cache, and does nothing else.
+On a DIR whose prepared.json matches the request, the command verifies the shards (size, sha256
+of the whole file, footer), the tokenizer's digest and the cache, and does nothing else; a shard
+that differs from its record is fetched again (and the token cache, named by the shards'
+content, rebuilt). A shard whose pages do not decode stops any step that reads it with one line
+naming the file and row group, exit 1.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from bov_jax.config import define_config_flag, validate_config
 from bov_jax.corpora import climbmix
 from bov_jax.data import token_cache
 from bov_jax.data.config import tokenizer_path
+from bov_jax.data.identity import content_digests
 from bov_jax.data.tokenizer import (
     REFERENCE_DOC_CHARS,
     REFERENCE_MAX_CHARS,
@@ -170,13 +174,13 @@ def describe_download(request: Request, missing: list[int]) -> str:
 
 
 def shard_record(request: Request) -> list[dict[str, Any]]:
-    """[{name, bytes}] of the requested shards, each verified (a readable text shard)."""
-    out = []
-    for index in request.indices:
-        path = request.data_dir / climbmix.shard_name(index)
+    """[{name, bytes, sha256}] of the requested shards, each verified (a readable text shard);
+    sha256 is of the whole file, what a rerun checks each shard against."""
+    paths = [request.data_dir / climbmix.shard_name(index) for index in request.indices]
+    for path in paths:
         climbmix.verify(path)
-        out.append({"name": path.name, "bytes": path.stat().st_size})
-    return out
+    digests = content_digests(paths)
+    return [{"name": p.name, "bytes": p.stat().st_size, "sha256": digests[p]} for p in paths]
 
 
 def ensure_tokenizer(request: Request, threads: int) -> Tokenizer:
@@ -219,18 +223,48 @@ def recorded(request: Request) -> dict[str, Any] | None:
     return record if same else None
 
 
+def damaged_shards(request: Request, record: dict[str, Any]) -> list[str]:
+    """The shards of `record` that are present but not as recorded: another size, another
+    sha256 of their content (records written before sha256 was recorded: their size only),
+    or a footer that does not read. Missing ones are not listed (they are fetched anyway)."""
+    present = [f for f in record["files"] if (request.data_dir / f["name"]).is_file()]
+    digests = content_digests([request.data_dir / f["name"] for f in present])
+    damaged = []
+    for entry in present:
+        path = request.data_dir / entry["name"]
+        sha256 = entry.get("sha256", digests[path])
+        if path.stat().st_size != entry["bytes"] or digests[path] != sha256:
+            damaged.append(entry["name"])
+            continue
+        try:
+            climbmix.verify(path)
+        except DataError:
+            damaged.append(entry["name"])
+    return damaged
+
+
 def verify_prepared(request: Request, record: dict[str, Any]) -> bool:
-    """Whether every shard, the tokenizer and the cache of `record` are in place as recorded."""
-    sizes = {s["name"]: s["bytes"] for s in record["files"]}
-    for name, size in sizes.items():
-        path = request.data_dir / name
-        if not path.is_file() or path.stat().st_size != size:
-            return False
-        climbmix.verify(path)
+    """Whether every shard (by size and content), the tokenizer and the cache of `record` are
+    in place as recorded."""
+    names = [f["name"] for f in record["files"]]
+    if not all((request.data_dir / name).is_file() for name in names):
+        return False
+    if damaged_shards(request, record):
+        return False
     tokenizer = load_tokenizer(tokenizer_path(request.data_cfg), request.vocab_size)
     if tokenizer.sha256 != record["tokenizer_sha256"]:
         return False
     return token_cache.built_cache(request.data_cfg, tokenizer) is not None
+
+
+def remove_damaged(request: Request, record: dict[str, Any] | None) -> list[str]:
+    """Delete the shards that differ from `record` (`damaged_shards`), so that they are fetched
+    again; their names."""
+    damaged = damaged_shards(request, record) if record is not None else []
+    for name in damaged:
+        log.warning("%s differs from %s (size or sha256): fetching it again", name, RECORD)
+        (request.data_dir / name).unlink()
+    return damaged
 
 
 def prepare(request: Request, base_url: str, workers: int, threads: int) -> dict[str, Any]:
@@ -240,6 +274,7 @@ def prepare(request: Request, base_url: str, workers: int, threads: int) -> dict
     if record is not None and verify_prepared(request, record):
         print(f"{request.data_dir} is ready (verified {RECORD}: shards, tokenizer, token cache)")
         return record
+    remove_damaged(request, record)
     missing = missing_shards(request)
     print(describe_download(request, missing), flush=True)
     if missing:

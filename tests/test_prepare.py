@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -193,6 +194,23 @@ def test_offline_prepare_then_d24_trains_and_evaluates(mirror, tmp_path):
     assert len(mirror.requests) == requests
     assert (data / "tokenizer" / "tokenizer.model").stat().st_mtime_ns == tokenizer_mtime
     assert "building the token cache" not in again.stderr
+
+    # 3b. a shard damaged in place (same size and footer, mtime set back) is fetched again
+    damaged = data / "shard_00001.parquet"
+    stat = damaged.stat()
+    with open(damaged, "r+b") as f:
+        f.seek(stat.st_size // 3)
+        f.write(bytes(1024))
+    os.utime(damaged, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    refetched = run(prepare_args(data, mirror))
+    assert refetched.returncode == 0, refetched.stderr[-3000:]
+    assert "shard_00001.parquet differs from prepared.json (size or sha256)" in refetched.stderr
+    assert damaged.read_bytes() == mirror.files[damaged.name]
+    assert mirror.requests[requests:] == [(damaged.name, 0)]
+    record = json.loads((data / "prepared.json").read_text())
+    assert {f["name"]: f["sha256"] for f in record["files"]}[damaged.name] == hashlib.sha256(
+        mirror.files[damaged.name]
+    ).hexdigest()
 
     # 4. the paper config trains on it
     main = run(

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -262,6 +263,19 @@ def test_digests_are_cached_by_path_size_mtime_and_inode(tmp_path, monkeypatch):
     monkeypatch.undo()
 
 
+def test_an_edit_whose_mtime_was_set_back_is_hashed_again(tmp_path):
+    shard, cache = tmp_path / "shard.parquet", tmp_path / "digests.json"
+    shard.write_bytes(b"x" * 1000)
+    os.utime(shard, (1e9, 1e9))  # long settled: its digest is cached
+    first = identity.content_digests([shard], cache)[shard]
+    assert len(identity.read_cache(cache)) == 1
+    time.sleep(0.01)  # a later ctime tick
+    with open(shard, "r+b") as f:  # same size, same inode, the mtime set back: only the ctime
+        f.write(b"y")  # tells (keyed by path, size, mtime and inode this resumed silently)
+    os.utime(shard, (1e9, 1e9))
+    assert identity.content_digests([shard], cache)[shard] != first
+
+
 class Position:
     """A data iterator stand-in: its state, and a set_state that refuses what does not fit."""
 
@@ -427,3 +441,34 @@ def test_second_run_on_a_workdir_stops_naming_the_first(tmp_path, caplog):
         assert workdir_lock.holder(tmp_path).startswith("host ")
     assert "taking over" in caplog.text and "PID 1, started then" in caplog.text
     assert workdir_lock.holder(tmp_path) is None and (tmp_path / "run.lock").read_text() == ""
+
+
+def damage_shard(path: Path, row_group: int = 1) -> None:
+    """Zero 4 KiB inside a row group's text pages: same size, footer intact, mtime set back."""
+    stat = path.stat()
+    column = pq.ParquetFile(path).metadata.row_group(row_group).column(0)
+    with open(path, "r+b") as f:
+        f.seek(column.data_page_offset + 200)
+        f.write(bytes(4096))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_damaged_shard_stops_training_in_one_line_naming_it(tmp_path, use_cache):
+    data = copy_data(tmp_path / "data")
+    damage_shard(data / "shard_00001.parquet")
+    flags = [f"--config.data.data_dir={data}", f"--config.data.use_cache={use_cache}"]
+    status, stderr = run_failing(tmp_path / "run", *flags, f"--config.data.cache_dir={tmp_path}")
+    message = assert_one_line(stderr)
+    assert status == 1, stderr[-2000:]
+    assert f"shard {data / 'shard_00001.parquet'}, row group 1: cannot be read" in message
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_damaged_shard_stops_tokenizer_training_naming_it(tmp_path):
+    from bov_jax.data.tokenizer import _training_lines
+
+    data = copy_data(tmp_path / "data")
+    damage_shard(data / "shard_00001.parquet", row_group=3)
+    with pytest.raises(shards.DamagedShardError, match=r"shard_00001.parquet, row group 3: cannot"):
+        list(_training_lines(sorted(data.glob("*.parquet"))))

@@ -92,8 +92,10 @@ class ParquetUnitReader:
 
     def documents(self, unit: Unit) -> tuple[list[str], int]:
         """The unit's texts and how many bad documents were skipped."""
-        raw = shards.read_raw(self._file(unit.file_index), unit.row_group)[unit.start : unit.stop]
-        where = f"{self._paths[unit.file_index]}: row group {unit.row_group}"
+        path = self._paths[unit.file_index]
+        raw = shards.read_raw(self._file(unit.file_index), unit.row_group, path)
+        raw = raw[unit.start : unit.stop]
+        where = f"{path}: row group {unit.row_group}"
         return shards.decode_documents(raw, where, self._skip_bad, first_row=unit.start)
 
     def __call__(self, unit: Unit) -> dict:

@@ -1,14 +1,16 @@
 """The identity of a run's data by content, not by path.
 
-A checkpoint records the fingerprint of every shard and tokenizer file it was trained on:
-the file's name, its size and the sha256 of its whole content. A resumed run compares the
+A checkpoint records the fingerprint of every shard and tokenizer file it was trained on: the
+file's name, its size and the sha256 of its whole content. A resumed run compares the
 fingerprints, so the same data under another directory resumes and data edited or swapped in
 place is refused, naming the files; the token cache is named by the same digests.
 
 Hashing a 250 MB ClimbMix shard takes about a second (docs/reliability.md), so digests are
-cached by (path, size, mtime, inode) in DIGEST_CACHE: a resume rehashes only files that were
-written since. Checkpoints of older versions identified files over 8 MiB by their parquet
-footer ('footer:<sha256>'); those are compared by footer, with a warning.
+cached by (path, size, mtime, ctime, inode) in DIGEST_CACHE: a resume rehashes only files that
+were written since. The ctime counts because a user can set a file's mtime back (`touch -d`, `cp
+-p`, `rsync -t`) but not its ctime: an in-place edit whose mtime was reset is hashed again.
+Checkpoints of older versions identified files over 8 MiB by their parquet footer
+('footer:<sha256>'); those are compared by footer, with a warning.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ LEGACY_FOOTER = "footer:"
 
 
 def file_key(path: Path) -> str:
-    """What a cached digest is valid for: the file's path, size, mtime and inode."""
+    """What a cached digest is valid for: the file's path, size, mtime, ctime and inode."""
     st = path.stat()
-    return f"{path.absolute()} {st.st_size} {st.st_mtime_ns} {st.st_ino}"
+    return f"{path.absolute()} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
 
 
 def read_cache(cache: Path) -> dict[str, str]:
@@ -80,8 +82,8 @@ def content_digests(paths: list[Path], cache: Path | None = None) -> dict[Path, 
 
 
 def still_current(key: str) -> bool:
-    """Whether a cache key still describes its file (same size, mtime and inode)."""
-    path = Path(key.rsplit(" ", 3)[0])
+    """Whether a cache key still describes its file (same size, mtime, ctime and inode)."""
+    path = Path(key.rsplit(" ", 4)[0])
     try:
         return file_key(path) == key
     except OSError:

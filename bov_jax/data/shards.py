@@ -125,9 +125,31 @@ def report_skipped(path: Path, skipped: int) -> None:
         )
 
 
-def read_raw(parquet: pq.ParquetFile, row_group: int) -> list[bytes | None]:
-    """The text column of one row group as raw bytes (no UTF-8 validation by Arrow)."""
-    column = parquet.read_row_group(row_group, columns=[TEXT_COLUMN]).column(0)
+class DamagedShardError(DataError):
+    """A shard whose footer reads but whose bytes do not decode (zeroed or overwritten pages,
+    a failed decompression): names the file and row group. Exit status 1, as a damaged
+    checkpoint: nothing is saved from that point."""
+
+    exit_status = 1
+
+
+def read_text_column(parquet: pq.ParquetFile, row_group: int, path: Path) -> pa.ChunkedArray:
+    """The text column of one row group of shard `path`; DamagedShardError naming the file and
+    the row group when its pages do not decode."""
+    try:
+        return parquet.read_row_group(row_group, columns=[TEXT_COLUMN]).column(0)
+    except (OSError, pa.ArrowException) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DamagedShardError(
+            f"shard {path}, row group {row_group}: cannot be read ({reason}); the file is "
+            "damaged: replace it (bov_jax.prepare fetches damaged ClimbMix shards again)"
+        ) from err
+
+
+def read_raw(parquet: pq.ParquetFile, row_group: int, path: Path) -> list[bytes | None]:
+    """The text column of one row group of shard `path` as raw bytes (no UTF-8 validation by
+    Arrow); DamagedShardError when it does not decode."""
+    column = read_text_column(parquet, row_group, path)
     binary = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
     return column.cast(binary).to_pylist()
 
@@ -137,7 +159,7 @@ def scan_documents(info: ShardInfo, skip_bad: bool) -> int:
     parquet = pq.ParquetFile(info.path)
     bad = 0
     for rg in range(len(info.row_group_rows)):
-        column = parquet.read_row_group(rg, columns=[TEXT_COLUMN]).column(0)
+        column = read_text_column(parquet, rg, info.path)
         try:  # fast path: Arrow validates UTF-8 when casting binary to string
             column.cast(pa.large_binary()).cast(pa.large_string())
             clean = column.null_count == 0
@@ -145,7 +167,7 @@ def scan_documents(info: ShardInfo, skip_bad: bool) -> int:
             clean = False
         if not clean:
             where = f"{info.path}: row group {rg}"
-            bad += decode_documents(read_raw(parquet, rg), where, skip_bad)[1]
+            bad += decode_documents(read_raw(parquet, rg, info.path), where, skip_bad)[1]
     return bad
 
 

@@ -86,7 +86,7 @@ class BovTokenCache(tfds.core.GeneratorBasedBuilder):
             for rg in range(len(info.row_group_rows)):
                 where = f"{path}: row group {rg}"
                 texts: list[str | None] = []
-                for row, blob in enumerate(shards.read_raw(parquet, rg)):
+                for row, blob in enumerate(shards.read_raw(parquet, rg, path)):
                     ok, _ = shards.decode_documents([blob], where, self._skip_bad, first_row=row)
                     texts.append(ok[0] if ok else None)
                 skipped += texts.count(None)

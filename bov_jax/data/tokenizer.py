@@ -160,7 +160,7 @@ def _training_lines(files: list[Path], doc_chars: int = 0, max_chars: int = 0) -
         parquet = pq.ParquetFile(path)
         for rg in range(parquet.num_row_groups):
             texts, _ = shards.decode_documents(
-                shards.read_raw(parquet, rg), f"{path}: row group {rg}", True
+                shards.read_raw(parquet, rg, path), f"{path}: row group {rg}", True
             )
             for text in texts:
                 if max_chars and read > max_chars:
