@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable, Sequence
 
 from absl import app, flags
@@ -154,6 +155,22 @@ def parse_flags(
         text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         raise UserError(f"cannot load the config: {lines[-1] if lines else repr(err)}") from err
+
+
+def exit_now(err: BaseException, debug: bool = False) -> None:
+    """End the process at once after `err`, as `guarded` would report it (one line for a user
+    error, the traceback otherwise), skipping the exit handlers: for a multi-process run whose
+    peers are gone or leaving, where jax.distributed's exit handler would wait for them."""
+    user_error = os_user_error(err) if isinstance(err, OSError) else err
+    if isinstance(user_error, UserError) and not debug:
+        report(user_error)
+        status = user_error.exit_status
+    else:
+        traceback.print_exception(err)
+        status = 130 if isinstance(err, KeyboardInterrupt) else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def guarded(call: Callable[..., object], *args: object, debug: bool = False) -> object:

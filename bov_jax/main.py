@@ -7,7 +7,8 @@ again with the same workdir resumes from its latest checkpoint. On a TPU pod, a 
 allocation, or with explicit --coordinator_address/--num_processes/--process_id,
 jax.distributed is initialised first; each process then reads its own data streams, process
 0 alone writes the logs, metrics and config, and every process writes its shards of each
-checkpoint. See docs/launch.md.
+checkpoint. A process that dies is noticed by the others within --peer_timeout seconds
+(bov_jax/train/peers.py), which then stop with one line. See docs/launch.md.
 
 Exit status: 0 when the run reached its horizon, `train.stop_after_steps` or a SIGTERM/SIGINT
 (with a checkpoint); 1 with a one-line reason for a non-finite step, a checkpoint of another
@@ -28,7 +29,7 @@ from bov_jax import cli
 from bov_jax.config import check_config_arguments, define_config_flag, describe_keys
 from bov_jax.errors import UserError
 from bov_jax.prepare import check_prepared
-from bov_jax.train import host_memory, xla_flags
+from bov_jax.train import host_memory, peers, xla_flags
 
 FLAGS = flags.FLAGS
 
@@ -60,6 +61,12 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer("local_device_count", None, "CPU only: devices per process.")
     flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for all processes.")
+    flags.DEFINE_integer(
+        "peer_timeout",
+        peers.DEFAULT_TIMEOUT_SECONDS,
+        "Multi-process: seconds without another process's heartbeat before this one stops with "
+        "one line (0: wait for jax.distributed's own timeout).",
+    )
 
 
 log = logging.getLogger("bov_jax")
@@ -158,7 +165,18 @@ def main(argv: list[str]) -> None:
     configure_logging()
     from bov_jax.train.loop import run
 
-    run(FLAGS.config, FLAGS.workdir)
+    watch = peers.watch_peers(FLAGS.peer_timeout)
+    if watch is None:
+        run(FLAGS.config, FLAGS.workdir)
+        return
+    try:
+        run(FLAGS.config, FLAGS.workdir)
+    except BaseException as err:
+        if not isinstance(err, UserError | KeyboardInterrupt):
+            watch.await_verdict()  # a collective failed: a dead peer is the likely cause
+        watch.finish(peers.FAILED)  # the others stop at once, pointing to this log
+        cli.exit_now(err, cli.debug_enabled())  # not waiting at exit for peers that leave
+    watch.finish(peers.DONE)
 
 
 if __name__ == "__main__":
