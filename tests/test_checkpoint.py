@@ -33,6 +33,7 @@ from bov_jax.train.checkpoint import (
     CheckpointError,
     Checkpoints,
     ConfigMismatchError,
+    experiment_differences,
     load_parameters,
     verify_manifest,
 )
@@ -403,3 +404,26 @@ def test_export_then_import_of_a_run_is_bit_identical(trained, tmp_path):
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     bpb = [evaluate_model(m, tokenizer, config, 512, 2)["val_bpb"] for m in (run_model, imported)]
     assert bpb[0] == bpb[1] and np.isfinite(bpb[0])
+
+
+def test_data_streams_cannot_be_allowed_and_the_refusal_says_so(tmp_path):
+    """train.data_streams is a train.* key that allow_changes refuses (the saved data positions
+    are per stream): the message says so, where it listed train.* as acceptable at 49cab77."""
+    saved = {"train": {"data_streams": 1, "num_steps": 8}, "checkpoint": {}}
+    current = {
+        "train": {"data_streams": 2, "num_steps": 8},
+        "checkpoint": {"allow_changes": "train.data_streams"},
+    }
+    checkpoints = Checkpoints(tmp_path, keep=1, async_save=False)
+    with pytest.raises(ConfigMismatchError) as err:
+        checkpoints.check_experiment(2, saved, current)
+    checkpoints.close()
+    assert "cannot accept train.data_streams" in str(err.value)
+    assert "train.* but train.data_streams" in str(err.value)
+
+
+def test_turning_the_token_cache_off_resumes():
+    """data.use_cache reads the same stream (test_data_pipeline): not another experiment."""
+    saved = {"data": {"use_cache": True, "shuffle": True}}
+    assert experiment_differences(saved, {"data": {"use_cache": False, "shuffle": True}}) == []
+    assert experiment_differences(saved, {"data": {"use_cache": True, "shuffle": False}})

@@ -165,6 +165,26 @@ def test_restore_continues_the_exact_stream(cfg, use_cache):
     restored.close()
 
 
+def test_a_state_saved_with_the_cache_continues_without_it(cfg):
+    """data.use_cache changes how documents are read, not which: a run resumes across it
+    (checkpoint.HARMLESS_PREFIXES)."""
+    iterator = pipeline.make_batch_iterator(
+        cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=5
+    )
+    for _ in range(7):
+        next(iterator)
+    state = iterator.get_state()
+    expected = [next(iterator) for _ in range(10)]
+    iterator.close()
+    cfg.use_cache = False
+    restored = pipeline.make_batch_iterator(
+        cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=5
+    )
+    restored.set_state(state)
+    assert same(expected, [next(restored) for _ in range(10)])
+    restored.close()
+
+
 def test_orbax_checkpoint_of_the_iterator(cfg, tmp_path):
     iterator = pipeline.make_batch_iterator(
         cfg, split="train", seq_len=SEQ, batch_size=BATCH, seed=2

@@ -319,3 +319,18 @@ def test_sweep_does_not_start_a_job_on_a_held_workdir(tmp_path):
     with workdir_lock.hold(jobs[0].workdir):
         assert sweeps.run_local(jobs, log=lines.append) == jobs
     assert len(lines) == 1 and f"PID {os.getpid()}" in lines[0] and "not started" in lines[0]
+
+
+def test_a_sweep_with_unfinished_jobs_exits_1(tmp_path, monkeypatch, command_flags):
+    """After a forwarded SIGTERM (run_local returns the stopped job and those after it) the
+    sweep ends with status 1, as docs/reliability.md says (it was 2, a bad-input status)."""
+    from bov_jax.sweep import __main__ as sweep_command
+
+    monkeypatch.setattr(sweeps, "run_local", lambda jobs: list(jobs))
+    sweep_file = REPO / "configs/sweeps/table1_cpu.py"
+    command_flags(
+        sweep_command.define_flags, f"--sweep={sweep_file}", f"--root={tmp_path}", "--only=d12"
+    )
+    with pytest.raises(sweep_command.UnfinishedJobs, match="3 of 3 jobs did not finish") as err:
+        sweep_command.main(["sweep"])
+    assert err.value.exit_status == 1

@@ -5,6 +5,9 @@ engine: --launcher=local (one after another here; rerunning skips finished runs 
 interrupted ones), slurm (writes DIR/slurm_array.sbatch) or tpu (writes DIR/tpu_commands.sh).
 --dry-run prints every run's horizon and FLOPs and launches nothing. Then
 `python -m bov_jax.report --root=DIR` writes the tables and figures.
+
+Exit status: 0 when every job finished, 1 when some did not (stopped by a SIGTERM / SIGINT to
+the sweep, or failed; rerunning resumes them), 2 for a bad flag or sweep file.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ from bov_jax.errors import UserError
 from bov_jax.sweep import jobs as sweeps
 
 FLAGS = flags.FLAGS
+
+
+class UnfinishedJobs(UserError):
+    """Jobs stopped (a SIGTERM to the sweep) or failed before their horizon: an outcome, not a
+    bad input, so exit status 1 (docs/reliability.md); rerunning the sweep resumes them."""
+
+    exit_status = 1
 
 
 def define_flags() -> None:
@@ -74,7 +84,7 @@ def main(argv: list[str]) -> None:
         failed = sweeps.run_local(jobs)
         if failed:
             names = ", ".join(f"{job.run.name}/seed{job.seed}" for job in failed)
-            raise UserError(f"{len(failed)} of {len(jobs)} jobs did not finish: {names}")
+            raise UnfinishedJobs(f"{len(failed)} of {len(jobs)} jobs did not finish: {names}")
         report = f"python -m bov_jax.report --root={FLAGS.root}"
         print(f"all {len(jobs)} jobs finished; report: {report}")
 

@@ -88,6 +88,7 @@ HARMLESS_PREFIXES = (
     "data.tokenizer_dir",
     "data.cache_dir",
     DATA_FILES,
+    "data.use_cache",  # the token cache or on-the-fly encoding: the same stream either way
     "data.num_workers",
     "data.read_threads",
     "data.encode_threads",
@@ -97,6 +98,9 @@ HARMLESS_PREFIXES = (
 # as they were (horizon, batch, schedules, optimizer constants, compute dtype).
 RESUMABLE_PREFIXES = ("train.", "optim.", "model.compute_dtype", "model.loss_chunk_tokens")
 NOT_RESUMABLE = ("train.data_streams",)  # the saved data positions are per stream
+RESUMABLE_KEYS = "train.* but train.data_streams, optim.*, model.compute_dtype, " + (
+    "model.loss_chunk_tokens"
+)
 
 
 def resumable_change(key: str) -> bool:
@@ -567,8 +571,8 @@ class Checkpoints:
                 )
             note = (
                 f"\ncheckpoint.allow_changes cannot accept {', '.join(unacceptable)}: only keys "
-                "that leave the saved state's shapes and the model as they were (train.*, "
-                "optim.*, model.compute_dtype, model.loss_chunk_tokens)"
+                "that leave the saved state's shapes, data positions and model as they were "
+                f"({RESUMABLE_KEYS})"
                 if unacceptable
                 else ""
             )
