@@ -12,8 +12,9 @@ checkpoint. A process that dies is noticed by the others within --peer_timeout s
 
 Exit status: 0 when the run reached its horizon, `train.stop_after_steps` or a SIGTERM/SIGINT
 (with a checkpoint); 1 with a one-line reason for a non-finite step, a checkpoint of another
-experiment or other data, a damaged shard or checkpoint, a dead peer process or a failed save; 2 for a bad flag, config key
-or value, input file or an unwritable workdir (see bov_jax/cli.py; --debug shows tracebacks).
+experiment or other data, a damaged shard or checkpoint, a dead peer process or a failed save; 2
+for a bad flag, config key or value, input file or an unwritable workdir (see bov_jax/cli.py;
+--debug shows tracebacks).
 """
 
 from __future__ import annotations
