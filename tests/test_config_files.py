@@ -134,3 +134,11 @@ def test_a_good_file_with_a_preset_loads_locked():
     assert config.model.value_path.source == "x0"
     with pytest.raises(AttributeError):
         config.no_such_key = 1
+
+
+def test_a_damaged_workdir_config_is_one_line_for_the_workdir_commands(tmp_path):
+    (tmp_path / "config.json").write_text('{"model": ')  # cut short
+    result = run_command(["bov_jax.evals.bpb", f"--workdir={tmp_path}"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert f"{tmp_path / 'config.json'} is not the JSON a run writes" in errors[0]

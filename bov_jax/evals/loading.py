@@ -20,6 +20,7 @@ from bov_jax.accounting import training_plan
 from bov_jax.config import config_from_record
 from bov_jax.data.config import tokenizer_path
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
+from bov_jax.errors import ConfigError
 from bov_jax.model.gpt import GPT
 from bov_jax.train.checkpoint import Checkpoints
 from bov_jax.train.state import create_train_state
@@ -29,7 +30,13 @@ def load_config(workdir: str | Path) -> ml_collections.ConfigDict:
     path = Path(workdir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {workdir} a bov_jax workdir?")
-    return config_from_record(json.loads(path.read_text()))
+    try:
+        record = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{path} is not the JSON a run writes ({err}); is it damaged?") from err
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path} holds a {type(record).__name__}, not a run's config")
+    return config_from_record(record)
 
 
 def load_model_and_tokenizer(
