@@ -24,6 +24,8 @@ from bov_jax.data.config import default_data_config
 from bov_jax.errors import ConfigError
 
 AUTO_DEVICE_ROWS = 0  # train.device_batch_size: bov_jax/train/device_rows.py decides
+FSDP_GATHER_MODES = ("auto", "step", "layer")  # mesh.fsdp_gather (bov_jax/train/fsdp.py)
+REMAT_MODES = ("auto", "none", "blocks")  # train.remat (bov_jax/train/fsdp.py)
 
 
 def value_path_config(
@@ -150,6 +152,10 @@ def default_config() -> ml_collections.ConfigDict:
     t.profile_start_step = -1
     t.profile_num_steps = 0
     t.dump_hlo = False
+    # Recompute each block's forward in the backward instead of keeping its activations
+    # (bov_jax/train/fsdp.py): "blocks", "none", or "auto" (blocks where the state, the
+    # step's compute copy and the activations would not fit in the chip's memory; never on CPU).
+    t.remat = "auto"
     # TEST ONLY (fault injection): the update of this step comes out non-finite (its new
     # parameters times NaN), to exercise the non-finite policy end to end. -1: off.
     t.fault_nonfinite_step = -1
@@ -158,6 +164,10 @@ def default_config() -> ml_collections.ConfigDict:
     mesh.data = -1  # -1: all devices not used by the other axes
     mesh.fsdp = 1
     mesh.tensor = 1
+    # When an fsdp mesh gathers the weights and reduces the gradients (bov_jax/train/fsdp.py):
+    # "step" (once per step), "layer" (per block and micro-batch, for models whose compute
+    # copy does not fit) or "auto" (step where it fits in half of the chip's memory).
+    mesh.fsdp_gather = "auto"
 
     ck = c.checkpoint = ml_collections.ConfigDict()
     ck.save_every = 0  # 0: only at the end
@@ -490,6 +500,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     given = key_paths(config)
     check_keys(given, key_paths(default_config()))
     check_ranges(given)
+    if given["train.remat"] not in REMAT_MODES:
+        raise ConfigError(
+            f"train.remat={given['train.remat']!r}; expected one of " + ", ".join(REMAT_MODES)
+        )
+    if given["mesh.fsdp_gather"] not in FSDP_GATHER_MODES:
+        raise ConfigError(
+            f"mesh.fsdp_gather={given['mesh.fsdp_gather']!r}; expected one of "
+            + ", ".join(FSDP_GATHER_MODES)
+        )
     for key in config.checkpoint.allow_changes.split(","):
         if key.strip() and key.strip() not in given:
             close = difflib.get_close_matches(key.strip(), list(given), n=1)

@@ -83,20 +83,47 @@ def logical_to_mesh(logical: PartitionSpec | tuple | None) -> PartitionSpec:
     return PartitionSpec(*(RULES.get(name) if name else None for name in logical))
 
 
+def without_axes(spec: PartitionSpec, axes: Any) -> PartitionSpec:
+    """`spec` with the mesh axes `axes` taken out (those entries replicated instead)."""
+
+    def keep(entry: Any) -> Any:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(name for name in names if name not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(keep(entry) for entry in spec))
+
+
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     """x with one logical axis name (or None) per dimension, laid out by `RULES` on the
     ambient mesh (the train and eval steps trace under theirs); unchanged where none is set
     (eager calls, decoding, single-device use). ("batch", None, "mlp") on (B, T, F) splits the
-    rows over (data, fsdp) and the hidden units over tensor."""
-    if jax.sharding.get_abstract_mesh().empty:
+    rows over (data, fsdp) and the hidden units over tensor. Inside a shard_map the axes it
+    made manual are left out: each device's array there is already its own part."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical))
+    spec = without_axes(logical_to_mesh(logical), set(mesh.manual_axes))
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def ambient_batch_shards() -> int:
-    """Devices the rows are split over on the ambient mesh (1 where none is set)."""
+    """Devices the rows are split over on the ambient mesh (1 where none is set, and 1 inside
+    a shard_map over the batch axes, where each device holds its own rows)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    if mesh.empty:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES if a not in mesh.manual_axes]))
+
+
+def fsdp_dim(logical: PartitionSpec | tuple | None) -> int:
+    """The dimension `RULES` splits over the fsdp axis in a parameter's logical spec, -1 if
+    none: ('vocab', 'embed') -> 1, ('bank_vocab', 'kv') -> 0, (None,) -> -1."""
+    for i, entry in enumerate(logical_to_mesh(logical)):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if "fsdp" in names:
+            return i
+    return -1
 
 
 def shardings_for(logical_specs: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -430,35 +430,44 @@ def test_muon_stacked_by_shape_equals_muon_matrix_by_matrix(jit):
         assert rel_err(second, np.asarray(alone_state.second_moment["w"])) < tolerance
 
 
-def test_muon_sharding_hook_all_gathers_and_matches():
-    """Each matrix's Nesterov update is replicated before the orthogonalisation."""
+@pytest.mark.parametrize("dim", [0, 1])
+def test_muon_on_fsdp_orthogonalises_whole_matrices_split_over_devices(dim):
+    """Matrices split over fsdp along either dimension: the stack goes to the devices whole
+    by an all-to-all (no all-gather) and the update equals the unsharded one (bf16 noise)."""
     devices = np.array(jax.devices())
     mesh = Mesh(devices, ("fsdp",))
-    rows = 16 * len(devices)
-    kernel, grads, buf = random_case(rows, 48, n_steps=1, seed=2)
-    sharded = NamedSharding(mesh, PartitionSpec("fsdp", None))
+    size = 16 * len(devices)
+    shapes = {"a": (size, 48), "b": (size, 48), "c": (size, 48)}  # 3 matrices on 8 devices
+    if dim == 1:
+        shapes = {k: (48, size) for k in shapes}
+    cases = {
+        k: random_case(*shape, n_steps=1, seed=i) for i, (k, shape) in enumerate(shapes.items())
+    }
+    spec = PartitionSpec(*(("fsdp" if i == dim else None) for i in range(2)))
 
-    def step(sharding):
+    def step(layout):
         tx = optim.nanochat_muon(
             lambda s: jnp.float32(0.02),
             lambda s: jnp.float32(0.9),
             lambda s: jnp.float32(0.2),
             beta2=0.9,
             ns_steps=5,
-            sharding=sharding,
+            layout=layout,
         )
-        params = {"w": jax.device_put(kernel, sharded)}
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+        params = {k: put(kernel) for k, (kernel, _, _) in cases.items()}
+        grads = {k: put(g[0]) for k, (_, g, _) in cases.items()}
         state = tx.init(params)
         update = jax.jit(tx.update)
-        compiled = update.lower({"w": jax.device_put(grads[0], sharded)}, state, params).compile()
-        updates, _ = update({"w": jax.device_put(grads[0], sharded)}, state, params)
-        return np.asarray(updates["w"]), compiled.as_text()
+        text = update.lower(grads, state, params).compile().as_text()
+        updates, _ = update(grads, state, params)
+        return {k: np.asarray(v) for k, v in updates.items()}, text
 
-    replicated, hlo = step(NamedSharding(mesh, PartitionSpec()))
-    if len(devices) > 1:
-        assert "all-gather" in hlo
-    unconstrained, _ = step(None)
-    assert rel_err(replicated, unconstrained) < 0.1
+    split, hlo = step(optim.FsdpMatrices(mesh, {k: dim for k in shapes}))
+    assert "all-to-all" in hlo and "all-gather" not in hlo
+    whole, _ = step(None)
+    for key in shapes:
+        assert rel_err(split[key], whole[key]) < 0.05
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,6 +55,12 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
 
 
+def fsdp_schedule(schedule: dict) -> str:
+    """'gathered per step, blocks recomputed' from a report's schedule."""
+    remat = ", blocks recomputed" if schedule["remat"] else ""
+    return f"gathered per {schedule['gather']}{remat}"
+
+
 def summary_lines(report: dict) -> list[str]:
     """The report as a few readable lines."""
     lines = [
@@ -85,6 +91,27 @@ def summary_lines(report: dict) -> list[str]:
             f"fp32 logits buffers {step['fp32_logits_buffers'] or 'none'}",
             f"  collectives per step per device: {collectives or 'none'}",
         ]
+        if "collective_bytes_per_step" in step:
+            ideal = step["ideal_collective_bytes_per_step"]
+            lines.append(
+                f"  {fsdp_schedule(step['schedule'])}: collectives "
+                f"{step['collective_bytes_per_step'] / 2**30:.2f} GiB per step per device = "
+                f"{step['collective_bytes_per_parameter']:.1f} B per parameter; ideal "
+                f"{ideal / 2**30:.2f} GiB"
+                + (f" ({step['collectives_over_ideal']:.2f}x)" if ideal else "")
+            )
+            lines += [
+                f"    {c['kind']} {c['count']:.0f}x {c['shape']} in {c['scope']}: "
+                f"{c['bytes'] / 2**30:.3f} GiB"
+                for c in step["collective_sources"][:4]
+            ]
+        if "prediction" in step:
+            pr = step["prediction"]
+            bounds = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in pr["bounds_seconds"].items())
+            lines.append(
+                f"  step time >= {pr['step_seconds_lower_bound'] * 1e3:.0f} ms ({pr['bound_by']} "
+                f"bound; {bounds}); MFU ceiling {pr['mfu_ceiling']:.1%}"
+            )
         if "flops" in step:
             f = step["flops"]
             lines.append(

@@ -11,6 +11,7 @@ lowered and compiled by the target's compiler.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from pathlib import Path
@@ -27,18 +28,21 @@ from bov_jax.accounting import (
     param_counts,
     xla_attention_flops_per_token,
 )
-from bov_jax.compile import hlo
+from bov_jax.compile import hlo, roofline
 from bov_jax.compile.targets import Target
 from bov_jax.files import write_text_atomic
 from bov_jax.model import decode
 from bov_jax.model.spec import ModelSpec
+from bov_jax.train import fsdp
 from bov_jax.train.layout import BatchLayout
+from bov_jax.train.optim import param_labels
 from bov_jax.train.state import TrainState, train_state_init
 from bov_jax.train.step import make_eval_step, make_train_step
 
 GIB = 2**30
 STEPS = ("train", "eval", "prefill", "decode")
-MICRO_BATCH_SCAN = "jit(train_step)/while/body/"  # op_name prefix of the scan's ops
+MICRO_BATCH_SCAN = "shard_map/while/body/"  # in the op_name of the micro-batch scan's ops
+TOP_SOURCES = 8  # collective sources listed per step
 DECODE_PROMPT = 8  # tokens of the prompt a decode is compiled for (one row, as main samples)
 
 
@@ -74,6 +78,11 @@ class Setup:
         processes = len({d.process_index for d in devices})
         return cls(config, target, mesh, plan, processes, spec, graphdef, tx, shardings, state)
 
+    def schedule(self) -> fsdp.StepSchedule:
+        """mesh.fsdp_gather and train.remat resolved for the target's memory at the current
+        train.device_batch_size (what `main` would choose on the target)."""
+        return fsdp.schedule_for(self.config, self.mesh, self.state, self.target.hbm_bytes)
+
     def layout(self) -> BatchLayout:
         return BatchLayout.resolve(self.config, self.plan, self.mesh, self.processes)
 
@@ -93,7 +102,9 @@ def lowered_steps(setup: Setup, names: tuple[str, ...]) -> dict[str, Any]:
     out = {}
     if "train" in names:
         fault_step = config.train.fault_nonfinite_step
-        step = make_train_step(setup.graphdef, setup.tx, setup.shardings, setup.mesh, fault_step)
+        step = make_train_step(
+            setup.graphdef, setup.tx, setup.shardings, setup.mesh, fault_step, setup.schedule()
+        )
         batch = setup.tokens((layout.accum, layout.micro_rows, seq), leading=1)
         out["train"] = step.lower(setup.state, {"inputs": batch, "targets": batch})
     if "eval" in names:
@@ -207,7 +218,74 @@ def analyse(
     }
     if name == "train":
         report["flops"] = train_flops(setup, layout, module)
+        report.update(train_collectives(setup, module))
+        report["prediction"] = predicted_step(setup, module, report)
     return report
+
+
+def ideal_collective_bytes(setup: Setup) -> float:
+    """What a step must move per device: on an fsdp mesh the compute copy gathered once (2 B
+    per bf16 parameter), the fp32 gradient reduce-scattered once (4 B), Muon's bf16 update of
+    its matrices gathered once (2 B) and, with a data axis too, each device's gradient shard
+    all-reduced over it; on a data-parallel mesh the fp32 gradient all-reduced (4 B)."""
+    params = setup.state.params
+    dims = fsdp.fsdp_dims(setup.shardings.params)
+    labels = param_labels(params)
+    data, shards = setup.mesh.shape["data"], setup.mesh.shape["fsdp"]
+    compute = jnp.dtype(setup.spec.compute_dtype).itemsize
+
+    def sized(path, x, dim, label):
+        n = math.prod(x.shape)
+        gathered = compute if fsdp.gathers_in_compute_dtype(path) else x.dtype.itemsize
+        return (
+            n,
+            n * gathered if dim >= 0 else 0,
+            n * 2 if label == "muon" and dim >= 0 else 0,
+        )
+
+    leaves = jax.tree.leaves(
+        jax.tree_util.tree_map_with_path(sized, params, dims, labels),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    count, gathered, muon = (sum(column) for column in zip(*leaves))
+    if shards == 1:
+        return 4.0 * count if data > 1 else 0.0
+    return gathered + 4.0 * count + muon + (4.0 * count / shards if data > 1 else 0.0)
+
+
+def train_collectives(setup: Setup, module: hlo.Module) -> dict[str, Any]:
+    """The train step's collectives per device per step against the ideal, per parameter, and
+    their largest sources (kind, name scope, operand shape)."""
+    total = sum(c["bytes"] for c in hlo.collectives(module).values())
+    ideal = ideal_collective_bytes(setup)
+    count = param_counts(setup.spec).total
+    return {
+        "schedule": dataclasses.asdict(setup.schedule()),
+        "collective_bytes_per_step": total,
+        "ideal_collective_bytes_per_step": ideal,
+        "collectives_over_ideal": round(total / ideal, 3) if ideal else None,
+        "collective_bytes_per_parameter": round(total / count, 2),
+        "collective_sources": hlo.collective_sources(module, TOP_SOURCES),
+    }
+
+
+def predicted_step(setup: Setup, module: hlo.Module, report: dict[str, Any]) -> dict[str, Any]:
+    """The step time's lower bounds on the target (bov_jax/compile/roofline.py)."""
+    flops = report["flops"]
+    in_kernels = setup.spec.attention_impl in ("splash", "cudnn")
+    chips = setup.mesh.size
+    kernel_flops = flops["analytic_attention_per_step"] / chips if in_kernels else 0.0
+    return roofline.predict(
+        setup.target.chip,
+        chips=chips,
+        hosts=setup.processes,
+        platform=sharding.platform(setup.mesh),
+        matmul_flops=report["xla_matmul_flops_per_device"],
+        kernel_flops=kernel_flops,
+        traffic_bytes=hlo.memory_traffic(module),
+        collective_bytes=report["collective_bytes_per_step"],
+        model_flops_per_step=flops["analytic_per_step"],
+    )
 
 
 def out_of_memory(err: Exception, seconds: float, cpu: float) -> dict[str, Any]:

@@ -169,6 +169,64 @@ def weighted(module: Module) -> Iterator[tuple[Instruction, int]]:
             yield instruction, times
 
 
+# Ops that move no data of their own (views, tuples, control flow whose bodies are counted).
+NO_TRAFFIC = {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "while",
+    "conditional",
+    "call",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+}
+
+
+def control_flow_multiplicities(module: Module) -> dict[str, int]:
+    """Like `multiplicities`, but only the computations that run as a program (the entry, loop
+    bodies and conditions, conditional branches, calls): not fusion bodies or reducers."""
+    counts: dict[str, int] = collections.defaultdict(int)
+
+    def visit(name: str, times: int) -> None:
+        counts[name] += times
+        for instruction in module.computations.get(name, []):
+            if instruction.opcode == "while":
+                trips = trip_count(module, instruction)
+                for key in ("body", "condition"):
+                    found = re.search(rf"{key}=%?([\w.\-]+)", instruction.attributes)
+                    if found:
+                        visit(found[1], times * (trips if key == "body" else trips + 1))
+            elif instruction.opcode in ("conditional", "call"):
+                for callee in re.findall(r"%([\w.\-]+)", instruction.attributes):
+                    if callee in module.computations:
+                        visit(callee, times)
+
+    visit(module.entry, 1)
+    return dict(counts)
+
+
+def memory_traffic(module: Module) -> float:
+    """Bytes per step per device that the program's ops read and write in device memory: each
+    op outside a fusion reads its operands and writes its result (a fusion's internals stay on
+    chip), loop bodies weighted by their trip counts. An estimate of the HBM traffic that
+    XLA's cost analysis, which counts a loop body once, does not give."""
+    shapes = module.shapes
+    total = 0.0
+    for name, times in control_flow_multiplicities(module).items():
+        for instruction in module.computations[name]:
+            if instruction.opcode in NO_TRAFFIC or instruction.opcode.endswith("-done"):
+                continue
+            moved = shape_bytes(instruction.shape) + sum(
+                shape_bytes(shapes.get(o, "")) for o in instruction.operands
+            )
+            total += times * moved
+    return total
+
+
 def collective_kind(opcode: str) -> str | None:
     base = opcode.removesuffix("-start")
     return base if base in COLLECTIVES and not opcode.endswith("-done") else None
@@ -183,17 +241,52 @@ def collectives(module: Module) -> dict[str, dict[str, float]]:
         kind = collective_kind(instruction.opcode)
         if kind is None:
             continue
-        if kind == "all-gather":
-            results = list(arrays(instruction.shape))
-            size = sum(
-                DTYPE_BYTES[d] * math.prod(s) for d, s in results[-len(instruction.operands) :]
-            )
-        else:
-            size = sum(shape_bytes(shapes.get(o, "")) for o in instruction.operands)
+        size = collective_bytes(instruction, shapes)
         entry = out.setdefault(kind, {"count": 0, "bytes": 0.0})
         entry["count"] += times
         entry["bytes"] += times * size
     return dict(sorted(out.items()))
+
+
+def collective_bytes(instruction: Instruction, shapes: dict[str, str]) -> float:
+    """Bytes one collective moves per run, as `collectives` counts them."""
+    if collective_kind(instruction.opcode) == "all-gather":
+        results = list(arrays(instruction.shape))
+        return sum(DTYPE_BYTES[d] * math.prod(s) for d, s in results[-len(instruction.operands) :])
+    return sum(shape_bytes(shapes.get(o, "")) for o in instruction.operands)
+
+
+def scope(instruction: Instruction) -> str:
+    """Where an op was traced, for people: its jax name stack without the jit and the
+    primitive ('shard_map', 'muon/shard_map'); '(combined by XLA)' when XLA merged ops and
+    left no name."""
+    parts = op_name(instruction).split("/")
+    if len(parts) < 2:
+        return "(combined by XLA)"
+    inner = [p for p in parts[1:-1] if p not in ("while", "body", "cond", "branch_0_fun")]
+    return "/".join(inner) or "(step)"
+
+
+def collective_sources(module: Module, top: int = 8) -> list[dict[str, object]]:
+    """The collectives per step per device grouped by kind, name scope and operand shape, the
+    largest `top` by bytes: [{kind, scope, shape, count, bytes}]."""
+    shapes = module.shapes
+    groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for instruction, times in weighted(module):
+        kind = collective_kind(instruction.opcode)
+        if kind is None:
+            continue
+        operand = shapes.get(instruction.operands[0], "") if instruction.operands else ""
+        first = next(arrays(operand), None)
+        shape = f"{first[0]}[{','.join(map(str, first[1]))}]" if first else "?"
+        entry = groups[(kind, scope(instruction), shape)]
+        entry[0] += times
+        entry[1] += times * collective_bytes(instruction, shapes)
+    ranked = sorted(groups.items(), key=lambda item: -item[1][1])[:top]
+    return [
+        {"kind": k, "scope": sc, "shape": sh, "count": c, "bytes": b}
+        for (k, sc, sh), (c, b) in ranked
+    ]
 
 
 def op_name(instruction: Instruction) -> str:

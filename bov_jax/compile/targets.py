@@ -54,6 +54,7 @@ class Target:
     chips: int
     hbm_bytes: int  # per chip
     topology: str  # "v5p:2x2x1", or the GPU topology "1x1x8"
+    chip: str  # the key of its figures in bov_jax.compile.roofline.CHIPS: "v5e", "h200"
     options: tuple[tuple[str, Any], ...] = ()  # further get_topology_desc arguments
 
     @property
@@ -103,6 +104,7 @@ def tpu_target(name: str, generation: TpuGeneration, size: int) -> Target:
         chips=chips,
         hbm_bytes=int(generation.hbm_gib * GIB),
         topology=f"{generation.prefix}:{'x'.join(map(str, shape))}",
+        chip=generation.prefix,
         options=tuple(options),
     )
 
@@ -126,6 +128,7 @@ def gpu_target(name: str, gpus: int) -> Target:
         chips=gpus,
         hbm_bytes=int(memory.group(1)),
         topology=f"1x{gpus // per_host}x{per_host}",
+        chip=name,
     )
 
 

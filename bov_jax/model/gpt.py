@@ -22,6 +22,7 @@ from bov_jax.model.tables import Table
 from bov_jax.model.values import GATE_CHANNELS
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+BlockRunner = Callable[..., tuple[jax.Array, jax.Array]]
 LAYER_KEYS = ("c_q", "c_k", "c_v", "c_fc", "ve_gate", "bank")
 
 
@@ -280,15 +281,18 @@ class GPT(nnx.Module):
         cap = self.spec.logit_softcap
         return cap * jnp.tanh(logits / cap)
 
-    def hidden(self, tokens: jax.Array) -> jax.Array:
-        """(B, T) -> the final residual stream (B, T, D), before the last norm."""
+    def hidden(self, tokens: jax.Array, run_block: BlockRunner | None = None) -> jax.Array:
+        """(B, T) -> the final residual stream (B, T, D), before the last norm. `run_block`
+        (block, x, ctx, cos, sin) -> (x, v) runs each block in place of calling it (the train
+        step's per-layer gather of sharded weights, bov_jax/train/fsdp.py)."""
         x = residual(self.smear(self.embed(tokens)))
         ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
         cos, sin = layers.rotary_tables(
             jnp.arange(tokens.shape[1]), self.spec.head_dim, self.spec.rope_base
         )
+        run_block = run_block or (lambda block, *args: block(*args))
         for i, block in enumerate(self.blocks):
-            x, v = block(x, ctx, cos, sin)
+            x, v = run_block(block, x, ctx, cos, sin)
             if i == 0:
                 ctx = ctx._replace(v1=v)
         return x
@@ -296,12 +300,18 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.logits(self.hidden(tokens))
 
-    def loss(self, tokens: jax.Array, targets: jax.Array, reduction: str = "mean") -> jax.Array:
+    def loss(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        reduction: str = "mean",
+        run_block: BlockRunner | None = None,
+    ) -> jax.Array:
         """Cross-entropy in nats of the next-token targets (B, T), -1 ignored, computed over
         chunks of tokens without the full logits (bov_jax/model/loss.py): a scalar mean over
         valid targets, or per-token nats (B, T) (0 where ignored) when reduction == "none".
-        Equal to cross_entropy(self(tokens), targets, reduction)."""
-        h = layers.rms_norm(self.hidden(tokens)).astype(self.spec.compute_dtype)
+        Equal to cross_entropy(self(tokens), targets, reduction). `run_block`: see hidden."""
+        h = layers.rms_norm(self.hidden(tokens, run_block)).astype(self.spec.compute_dtype)
         args = (
             h,
             self.lm_head.kernel[...],

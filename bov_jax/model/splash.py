@@ -109,6 +109,14 @@ def attention(
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(BATCH_AXES) | {HEAD_AXIS} <= set(mesh.axis_names):
         return attend(q, k, v)
-    spec = PartitionSpec(BATCH_AXES, None, HEAD_AXIS, None)
-    sharded = jax.shard_map(attend, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    # Inside the train step's shard_map over the batch axes the rows are this device's
+    # already: only the axes still partitioned by XLA are split here.
+    manual = set(mesh.manual_axes)
+    batch = tuple(axis for axis in BATCH_AXES if axis not in manual) or None
+    heads = None if HEAD_AXIS in manual else HEAD_AXIS
+    spec = PartitionSpec(batch, None, heads, None)
+    axes = {axis for axis in (*BATCH_AXES, HEAD_AXIS) if axis not in manual}
+    sharded = jax.shard_map(
+        attend, in_specs=(spec,) * 3, out_specs=spec, axis_names=axes, check_vma=False
+    )
     return sharded(q, k, v)

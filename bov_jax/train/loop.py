@@ -52,7 +52,7 @@ from bov_jax.evals.bpb import bits_per_byte
 from bov_jax.files import check_writable, write_json_atomic, write_text_atomic
 from bov_jax.model.gpt import learned_coefficients
 from bov_jax.model.spec import resolve_auto
-from bov_jax.train import device_rows, run_record, schedules, workdir_lock
+from bov_jax.train import device_rows, fsdp, run_record, schedules, workdir_lock
 from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, load_parameters
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
@@ -275,8 +275,10 @@ class Trainer:
         self.stop = stop
         self.streams = config_dict["train"]["data_streams"]
         self.graphdef, self.fresh_state, shardings, tx = create_train_state(config, plan, mesh)
+        schedule = fsdp.schedule_for(config, mesh, self.fresh_state, fsdp.device_memory_bytes(mesh))
+        log.info("%s", schedule.describe())
         self.train_step = make_train_step(
-            self.graphdef, tx, shardings, mesh, config.train.fault_nonfinite_step
+            self.graphdef, tx, shardings, mesh, config.train.fault_nonfinite_step, schedule
         )
         self.eval_step = make_eval_step(self.graphdef, shardings, mesh)
         self.token_bytes = jax.device_put(

@@ -45,24 +45,24 @@ kernels (any leading axes are batch axes):
      wd = `schedules.muon_weight_decay(step)`; lr_eff and wd are rounded to bf16 first, as in
      the reference.
 
-Layout of Muon's matrices under FSDP / tensor parallelism. Muon's state (momentum and NorMuon
-buffers) is sharded exactly like its parameter, so steps 1, 3 and 5 are elementwise or cheap
-row/column reductions on the shards. Only the orthogonalisation needs whole matrices: left to
-GSPMD (`muon_sharding=None`), each of the 15 small matmuls per matrix is partitioned on its own
-and pays a collective (an all-reduce of a Gram matrix or an all-gather) per matmul. For models
-up to ~1.5B parameters the trainer passes `muon_sharding=NamedSharding(mesh, P())`: the bf16
-Nesterov update of each matrix is all-gathered once (half the bytes of FSDP's fp32 parameter
-gather in the forward pass; at most ~2.4 GB of bf16 matrices per device at 1.5B), every device
-runs the Newton-Schulz iterations of every matrix locally, and the update is sliced back to
-the parameter's shards without communication. The price is redundant compute: ~25 TFLOP per
-step at d24 (5 iterations of 4 m^2 n + 2 m^3 flops per m <= n matrix), against ~5 PFLOP for a
-2**20-token step split over n devices, i.e. ~0.5 % x n of step time (~4 % on an 8-GPU node).
-It needs no cross-matrix stacking. Beyond a node, the reference's split (DistMuonAdamW: each
-rank orthogonalises ceil(K / world) of the K same-shape matrices, then all-gathers) is the way
-to scale: stack per shape and shard the stack's leading axis; `polar_express` already treats
-leading axes as batch axes.
+Layout of Muon's matrices under FSDP. Muon's state (momentum and NorMuon buffers) is sharded
+exactly like its parameter, so steps 1, 3 and 5 are elementwise or cheap row/column reductions
+on the shards. Only the orthogonalisation needs whole matrices. Left to GSPMD, each of its 15
+small matmuls per stack was partitioned on its own and paid a collective (d24 BoV on v5e-8:
+38 all-gathers of bf16[88,1536,1536], 33 GiB per step, even with the update constrained to be
+replicated first). On an fsdp mesh (`FsdpMatrices`) the stacks are grouped by the dimension
+their matrices are split along (c_q, c_k and c_v split their input axis, attention's c_proj its
+output axis, all of one shape at d24), and `split_orthogonalise`, in a shard_map over fsdp,
+gives each device 1/n of a stack's matrices whole by one all-to-all, orthogonalises them and
+returns the slices by another: about twice each device's shard of bf16 crosses the links, and
+the iterations' FLOPs are split over the devices, where gathering every matrix to every device
+(the reference's DistMuon splits like this too) moves the whole bf16 update and repeats the
+iterations n times; docs/targets.md compares the two, compiled. On a data-parallel mesh every
+device holds whole matrices and orthogonalises them all.
 """
 
+import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -71,9 +71,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from bov_jax.train import schedules
 
+FSDP_AXIS = "fsdp"  # bov_jax.sharding's axis of sharded parameters
 GROUPS = ("muon", "embedding", "unembedding", "value_table", "smear", "alpha", "beta")
 
 _BLOCK = r"blocks/\d+/"
@@ -229,19 +231,16 @@ def _muon_leaf(
     lr: jax.Array,
     wd: jax.Array,
     one_minus_beta2: float,
-    ns_steps: int,
-    sharding: jax.sharding.Sharding | None,
+    orthogonalise: Callable[[jax.Array], jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One reference Muon step for a (..., fan_in, fan_out) parameter; returns
-    (update to add to param, new momentum buffer, new NorMuon buffer)."""
+    (update to add to param, new momentum buffer, new NorMuon buffer). `orthogonalise` is
+    `polar_express` on the bf16 Nesterov update, wherever its matrices lie."""
     m = momentum.astype(momentum_buf.dtype)
     grad = grad.astype(momentum_buf.dtype)
     momentum_buf = momentum_buf + (1 - m) * (grad - momentum_buf)
     nesterov = grad + m * (momentum_buf - grad)
-    x = nesterov.astype(jnp.bfloat16)
-    if sharding is not None:
-        x = jax.lax.with_sharding_constraint(x, sharding)
-    x = polar_express(x, ns_steps).astype(jnp.float32)
+    x = orthogonalise(nesterov.astype(jnp.bfloat16)).astype(jnp.float32)
 
     fan_in, fan_out = param.shape[-2:]
     axis = -2 if fan_out >= fan_in else -1
@@ -261,12 +260,58 @@ def _muon_leaf(
     return update.astype(param.dtype), momentum_buf, second_moment
 
 
-def _same_shape_groups(leaves: list[jax.Array]) -> list[list[int]]:
-    """Indices of the leaves grouped by (shape, dtype), in first-seen order."""
+def _same_shape_groups(leaves: list[jax.Array], dims: list[int]) -> list[list[int]]:
+    """Indices of the leaves grouped by (shape, dtype, fsdp dimension), in first-seen order:
+    a stack of matrices split along one dimension (c_q, c_k and c_v split their input axis,
+    attention's c_proj its output axis, all of one shape at d24) is stacked without moving."""
     groups: dict[tuple, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        groups.setdefault((leaf.shape, jnp.dtype(leaf.dtype)), []).append(i)
+    for i, (leaf, dim) in enumerate(zip(leaves, dims)):
+        groups.setdefault((leaf.shape, jnp.dtype(leaf.dtype), dim), []).append(i)
     return list(groups.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpMatrices:
+    """Where Muon's matrices lie on a mesh with an fsdp axis: the mesh, and per parameter of
+    the muon group the dimension split over fsdp (-1: none); a tree like the params, with
+    `optax.MaskedNode()` for the other groups' parameters (what `optax.multi_transform` hands
+    the muon transformation)."""
+
+    mesh: jax.sharding.Mesh
+    dims: Any
+
+
+def split_orthogonalise(x: jax.Array, dim: int, ns_steps: int) -> jax.Array:
+    """`polar_express` of a stack x (K, fan_in, fan_out) split over fsdp along `dim` (1 or 2),
+    inside a shard_map over fsdp: one all-to-all gives each of the n devices K / n whole
+    matrices (the stack padded with zero matrices to a multiple of n, which stay zero), it
+    orthogonalises those, and one all-to-all returns every device its slices. Each device
+    sends and receives about its own shard twice, and computes 1/n of the iterations."""
+    n = jax.lax.axis_size(FSDP_AXIS)
+    count = x.shape[0]
+    x = jnp.pad(x, ((0, -count % n), (0, 0), (0, 0)))
+    whole = jax.lax.all_to_all(x, FSDP_AXIS, split_axis=0, concat_axis=dim, tiled=True)
+    done = polar_express(whole, ns_steps)
+    return jax.lax.all_to_all(done, FSDP_AXIS, split_axis=dim, concat_axis=0, tiled=True)[:count]
+
+
+def orthogonaliser(
+    layout: FsdpMatrices | None, dim: int, ndim: int, ns_steps: int
+) -> Callable[[jax.Array], jax.Array]:
+    """polar_express for a stack (K, fan_in, fan_out) of matrices whose dimension `dim` (of
+    one matrix; -1: none) is split over fsdp: `split_orthogonalise` in a shard_map over the
+    fsdp axis, or polar_express as it is where nothing is split."""
+    if layout is None or dim < 0 or layout.mesh.shape.get(FSDP_AXIS, 1) == 1:
+        return functools.partial(polar_express, ns_steps=ns_steps)
+    spec = PartitionSpec(*(FSDP_AXIS if i == dim + 1 else None for i in range(ndim + 1)))
+    return jax.shard_map(
+        functools.partial(split_orthogonalise, dim=dim + 1, ns_steps=ns_steps),
+        mesh=layout.mesh,
+        in_specs=spec,
+        out_specs=spec,
+        axis_names={FSDP_AXIS},
+        check_vma=False,
+    )
 
 
 def nanochat_muon(
@@ -276,7 +321,7 @@ def nanochat_muon(
     *,
     beta2: float,
     ns_steps: int,
-    sharding: jax.sharding.Sharding | None = None,
+    layout: FsdpMatrices | None = None,
 ) -> optax.GradientTransformation:
     """The reference Muon (see the module docstring) for Flax (..., fan_in, fan_out) kernels.
 
@@ -286,7 +331,8 @@ def nanochat_muon(
     The schedules map the 0-based step to the group lr (lrm included, shape factor not),
     the momentum and the cautious weight decay. The returned updates include -lr and the
     decay, so they are added to the params as they are; `update` requires `params`.
-    `sharding`, if given, constrains each bf16 Nesterov update before the orthogonalisation.
+    `layout`, on an fsdp mesh, says how the matrices are split: the orthogonalisation then
+    runs on whole matrices split over the devices (`split_orthogonalise`).
     """
     if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
         raise ValueError(f"muon_ns_steps must be in 1..{len(POLAR_EXPRESS_COEFFS)}: {ns_steps}")
@@ -312,18 +358,19 @@ def nanochat_muon(
             lr=learning_rate(step),
             wd=weight_decay(step),
             one_minus_beta2=one_minus_beta2,
-            ns_steps=ns_steps,
-            sharding=sharding,
         )
         leaves, treedef = jax.tree.flatten(updates)
         columns = [leaves] + [
             treedef.flatten_up_to(tree) for tree in (state.momentum, state.second_moment, params)
         ]
+        dims = treedef.flatten_up_to(layout.dims) if layout else [-1] * len(leaves)
         outs: list[list[jax.Array]] = [[] for _ in leaves]
-        for group in _same_shape_groups(leaves):
+        for group in _same_shape_groups(leaves, dims):
+            first = leaves[group[0]]
+            orthogonalise = orthogonaliser(layout, dims[group[0]], first.ndim, ns_steps)
             with jax.named_scope("muon"):
                 stacked = [jnp.stack([column[i] for i in group]) for column in columns]
-                results = _muon_leaf(*stacked, **hyper)
+                results = _muon_leaf(*stacked, **hyper, orthogonalise=orthogonalise)
             for j, i in enumerate(group):
                 outs[i] = [r[j] for r in results]
 
@@ -433,15 +480,24 @@ def build_optimizer(
     d_model: int,
     batch_lr_scale: float,
     muon_weight_decay: float,
-    muon_sharding: jax.sharding.Sharding | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    fsdp_dims: Any = None,
 ) -> optax.GradientTransformation:
     """The full reference optimizer over `params` (a pytree as from `nnx.to_pure_dict`).
 
     Labels every parameter first, so an unknown path fails here, before anything compiles.
     `muon_weight_decay` is weight_decay_scaled of spec 3.4 (0.28 at d12); it follows the
-    cosine schedule. `muon_sharding`: see the module docstring (None: let GSPMD decide).
+    cosine schedule. `mesh` and `fsdp_dims` (per parameter, the dimension split over the fsdp
+    axis, -1 if none): where the matrices lie, for Muon's orthogonalisation (module doc).
     """
-    present = set(jax.tree.leaves(param_labels(params)))
+    labels = param_labels(params)
+    present = set(jax.tree.leaves(labels))
+    layout = None
+    if mesh is not None and fsdp_dims is not None:
+        muon_dims = jax.tree.map(
+            lambda dim, label: dim if label == "muon" else optax.MaskedNode(), fsdp_dims, labels
+        )
+        layout = FsdpMatrices(mesh, muon_dims)
     lrs = learning_rate_schedules(
         optim_cfg, num_steps=num_steps, d_model=d_model, batch_lr_scale=batch_lr_scale
     )
@@ -461,7 +517,7 @@ def build_optimizer(
                 lambda step: schedules.muon_weight_decay(step, num_steps, muon_weight_decay),
                 beta2=optim_cfg.muon_beta2,
                 ns_steps=optim_cfg.muon_ns_steps,
-                sharding=muon_sharding,
+                layout=layout,
             )
         else:
             betas_key, wd_key = _ADAMW_KEYS[group]

@@ -61,8 +61,9 @@ def build_model_graph(spec: ModelSpec, seed: int) -> tuple[nnx.GraphDef, dict, d
 
 
 def make_optimizer(
-    config: Any, plan: TrainingPlan, params: Any, mesh
+    config: Any, plan: TrainingPlan, params: Any, mesh, logical: Any
 ) -> optax.GradientTransformation:
+    """The optimizer of `params` laid out by their `logical` specs on `mesh`."""
     return build_optimizer(
         config.optim,
         params,
@@ -70,7 +71,10 @@ def make_optimizer(
         d_model=ModelSpec.from_config(config.model).d_model,
         batch_lr_scale=plan.batch_lr_scale,
         muon_weight_decay=plan.muon_weight_decay,
-        muon_sharding=NamedSharding(mesh, PartitionSpec()),
+        mesh=mesh,
+        fsdp_dims=jax.tree.map(
+            sharding.fsdp_dim, logical, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        ),
     )
 
 
@@ -94,7 +98,7 @@ def train_state_init(
     spec = ModelSpec.from_config(config.model, sharding.platform(mesh))
     graphdef, abstract_params, logical = build_model_graph(spec, config.seed)
     param_shardings = sharding.shardings_for(logical, mesh)
-    tx = make_optimizer(config, plan, abstract_params, mesh)
+    tx = make_optimizer(config, plan, abstract_params, mesh, logical)
 
     def init() -> TrainState:
         model = GPT(spec, seed=config.seed)

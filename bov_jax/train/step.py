@@ -25,6 +25,7 @@ from flax import nnx
 from bov_jax import sharding
 from bov_jax.evals.bpb import bpb_sums
 from bov_jax.model.gpt import dense_kernels_in
+from bov_jax.train import fsdp
 from bov_jax.train.state import TrainState, all_finite
 
 
@@ -48,22 +49,24 @@ def loss_fn(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: ja
 
 
 def accumulate_gradients(graphdef, params, inputs, targets) -> tuple[jax.Array, Any]:
-    """Mean loss and gradient over micro-batches: inputs, targets (accum, rows, T).
+    """Mean loss and gradient over micro-batches on one device: inputs, targets (accum, rows, T).
 
     The dense kernels are cast to the compute dtype once, before the micro-batches, rather
     than at every micro-batch's use (`dense_kernels_in`); gradients are summed in the
-    parameters' dtype.
+    parameters' dtypes. The train step runs the same math per device inside
+    `fsdp.sharded_gradients`.
     """
     compute = dense_kernels_in(params, nnx.merge(graphdef, params).spec.compute_dtype)
-
-    def micro_step(grad_sum, batch):
-        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(graphdef, compute, *batch)
-        return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets))
     accum = inputs.shape[0]
-    return losses.mean(), jax.tree.map(lambda g: g / accum, grad_sum)
+    loss, grads = fsdp.accumulate(
+        lambda variables, inputs_i, targets_i: loss_fn(graphdef, variables, inputs_i, targets_i),
+        compute,
+        inputs,
+        targets,
+        jnp.full((accum,), 1.0 / accum, jnp.float32),
+        params,
+    )
+    return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
 def apply_gradients(
@@ -101,14 +104,15 @@ def make_train_step(
     state_shardings: TrainState,
     mesh: jax.sharding.Mesh,
     fault_nonfinite_step: int = -1,
+    schedule: fsdp.StepSchedule = fsdp.PLAIN,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """train_step(state, batch {inputs, targets: (accum, rows, T)}) -> (state, metrics):
-    `accumulate_gradients` then `apply_gradients`, in one jit with the state donated."""
+    """train_step(state, batch {inputs, targets: (accum, rows, T)}) -> (state, metrics): the
+    gradients on the mesh with `schedule` (`fsdp.sharded_gradients`; by default gathered once
+    per step, nothing recomputed) then `apply_gradients`, in one jit with the state donated."""
+    gradients = fsdp.sharded_gradients(graphdef, state_shardings.params, mesh, schedule)
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads = accumulate_gradients(
-            graphdef, state.params, batch["inputs"], batch["targets"]
-        )
+        loss, grads = gradients(state.params, batch["inputs"], batch["targets"])
         return apply_gradients(tx, state, loss, grads, fault_nonfinite_step)
 
     batch_sh = sharding.batch_sharding(mesh, leading=1)
@@ -125,6 +129,7 @@ def make_step_halves(
     tx: optax.GradientTransformation,
     state_shardings: TrainState,
     mesh: jax.sharding.Mesh,
+    schedule: fsdp.StepSchedule = fsdp.PLAIN,
 ) -> tuple[Callable, Callable]:
     """The two halves of `make_train_step`'s step, each jitted alone with the step's shardings
     (the bench times them): `gradients(params, inputs, targets) -> (loss, grads)` and
@@ -133,7 +138,7 @@ def make_step_halves(
     batch_sh = sharding.batch_sharding(mesh, leading=1)
     rep = sharding.replicated(mesh)
     gradients = jax.jit(
-        on_mesh(functools.partial(accumulate_gradients, graphdef), mesh),
+        on_mesh(fsdp.sharded_gradients(graphdef, state_shardings.params, mesh, schedule), mesh),
         in_shardings=(state_shardings.params, batch_sh, batch_sh),
         out_shardings=(rep, state_shardings.params),
     )

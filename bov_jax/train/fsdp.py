@@ -1,0 +1,365 @@
+"""The gradient half of the train step on a device mesh: when weights are gathered and
+gradients reduced, stated once instead of left to the partitioner.
+
+Left to GSPMD, a step on an fsdp mesh re-gathered every sharded weight at each use inside the
+micro-batch loop (the attention backward's inner loop included), gathered each bank whole per
+layer and per micro-batch, and reduced the tables' gradients per micro-batch: 647 GiB of
+collectives per device per step for d24 BoV on v5e-8 (597 bytes per parameter) where about 7
+bytes per parameter are needed. `sharded_gradients` is a `jax.shard_map` over the batch axes
+(data, fsdp), the tensor axis left to XLA, with one of two schedules (`mesh.fsdp_gather`):
+
+  step   the compute copy of every parameter (dense kernels in the compute dtype, the tables as
+         stored, lm_head gathered in the compute dtype and differentiated in its own) is
+         gathered once per step, before the micro-batch loop, and kept for every micro-batch;
+         each device accumulates the gradient of its rows over the micro-batches in fp32; one
+         reduce-scatter over fsdp and one all-reduce of the shards over data at the end. Bytes
+         per device per step: the gathered copy (2 B per bf16 parameter) and the fp32 gradient
+         (4 B), whatever the number of micro-batches.
+  layer  for models whose compute copy and fp32 gradient do not fit beside the activations:
+         each block's parameters are gathered in the compute dtype when the block runs (and
+         once more in its backward: `jax.checkpoint` keeps the gathered weights out of the
+         saved residuals), and the gather's transpose reduce-scatters their gradient in fp32,
+         once per block and micro-batch; the rest (wte, lm_head, smear) as in step.
+  auto   step when the compute copy and an fp32 gradient of every parameter take at most
+         STEP_SHARE_OF_HBM of the chip's memory (always on a CPU), else layer.
+
+On a data-parallel mesh (fsdp 1) the gathers vanish and either schedule is one all-reduce of
+the fp32 gradient per step. The loss of a micro-batch is its mean over the valid targets of
+all devices: each device weighs its own rows' mean by its share of the valid targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from bov_jax import sharding
+from bov_jax.config import FSDP_GATHER_MODES, REMAT_MODES
+from bov_jax.model.gpt import dense_kernels_in
+from bov_jax.model.spec import ModelSpec
+
+STEP_SHARE_OF_HBM = 0.5  # of the chip's memory: the state, compute copy and accumulator
+FIT_SHARE_OF_HBM = 0.85  # of the chip's memory, beyond which the blocks are recomputed
+# Activation bytes kept per token, layer and unit of width in bf16: d24 BoV on v5e-8, fsdp 8,
+# 2 rows compiled at 16.68 GiB of peak without recomputation and 9.41 with (7.27 GiB for
+# 2 x 2048 tokens x 24 layers x 1536).
+ACTIVATION_BYTES = 52
+FSDP = "fsdp"
+GATHERED = "fsdp_gathered"  # checkpoint_name of a block's gathered weights (layer)
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSchedule:
+    """How a train step spends memory: when the fsdp mesh gathers (`gather`: "step" or
+    "layer") and whether each block's activations are recomputed in the backward instead of
+    kept (`remat`), with the reasons."""
+
+    gather: str = "step"
+    remat: bool = False
+    reason: str = ""
+
+    def describe(self) -> str:
+        remat = "each block recomputed in the backward" if self.remat else "no recomputation"
+        return f"fsdp gather per {self.gather}, {remat} ({self.reason})"
+
+
+PLAIN = StepSchedule(reason="gathered once per step, nothing recomputed")
+
+
+def gathers_in_compute_dtype(path: tuple) -> bool:
+    """Dense kernels (lm_head's too) travel in the compute dtype; tables and scalars as stored."""
+    return getattr(path[-1], "key", None) == "kernel"
+
+
+def step_bytes(params: Any, compute_dtype: Any) -> int:
+    """Bytes per device of step's gathered compute copy and gradient accumulator (in each
+    parameter's dtype)."""
+
+    def one(path: tuple, x: Any) -> int:
+        dtype = compute_dtype if gathers_in_compute_dtype(path) else x.dtype
+        return math.prod(x.shape) * (jnp.dtype(dtype).itemsize + jnp.dtype(x.dtype).itemsize)
+
+    return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(one, params)))
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of arrays (or ShapeDtypeStructs) with shardings."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+        if hasattr(x, "sharding") and x.sharding is not None
+    )
+
+
+def activation_bytes(spec: ModelSpec, rows: int) -> int:
+    """The activations one device keeps for the backward of a micro-batch of `rows` rows:
+    ACTIVATION_BYTES per token, layer and unit of width (compute dtype's bytes included)."""
+    per_unit = ACTIVATION_BYTES * jnp.dtype(spec.compute_dtype).itemsize / 2
+    return int(rows * spec.seq_len * spec.n_layer * spec.d_model * per_unit)
+
+
+def choose_schedule(
+    gather: str,
+    remat: str,
+    *,
+    params: Any,
+    state_bytes: int,
+    spec: ModelSpec,
+    rows: int,
+    hbm_bytes: int | None,
+    fsdp: int,
+) -> StepSchedule:
+    """`mesh.fsdp_gather` and `train.remat` resolved: as configured unless "auto", then by
+    what fits in `hbm_bytes` per chip (None: no limit) beside the sharded state
+    (`state_bytes` per device): gather per step where its compute copy and accumulator take
+    at most STEP_SHARE_OF_HBM, and recompute the blocks where the state, that copy and the
+    activations of `rows` rows (`activation_bytes`, an estimate) would pass FIT_SHARE_OF_HBM."""
+    if gather not in FSDP_GATHER_MODES:
+        raise ValueError(f"mesh.fsdp_gather={gather!r}; expected one of {FSDP_GATHER_MODES}")
+    if remat not in REMAT_MODES:
+        raise ValueError(f"train.remat={remat!r}; expected one of {REMAT_MODES}")
+    copy = step_bytes(params, spec.compute_dtype)
+    reasons = []
+    if gather == "auto":
+        fits = hbm_bytes is None or fsdp == 1 or state_bytes + copy <= STEP_SHARE_OF_HBM * hbm_bytes
+        gather = "step" if fits else "layer"
+        if fsdp > 1 and hbm_bytes is not None:
+            reasons.append(
+                f"state + compute copy and accumulator {(state_bytes + copy) / GIB:.1f} GiB "
+                f"{'<=' if fits else '>'} {STEP_SHARE_OF_HBM:.0%} of {hbm_bytes / GIB:.1f} GiB"
+            )
+    if remat == "auto":
+        need = state_bytes + (copy if gather == "step" and fsdp > 1 else 0)
+        need += activation_bytes(spec, rows)
+        remat = (
+            "blocks" if hbm_bytes is not None and need > FIT_SHARE_OF_HBM * hbm_bytes else "none"
+        )
+        if hbm_bytes is not None:
+            reasons.append(
+                f"state, copy and {rows}-row activations about {need / GIB:.1f} GiB "
+                f"{'>' if remat == 'blocks' else '<='} {FIT_SHARE_OF_HBM:.0%} of the chip"
+            )
+    return StepSchedule(gather, remat == "blocks", "; ".join(reasons) or "as configured")
+
+
+def schedule_for(
+    config: Any, mesh: jax.sharding.Mesh, state: Any, hbm_bytes: int | None
+) -> StepSchedule:
+    """The schedule of `config` (mesh.fsdp_gather, train.remat) on `mesh` for the train
+    `state` (arrays or ShapeDtypeStructs with shardings), with `hbm_bytes` per chip."""
+    return choose_schedule(
+        config.mesh.fsdp_gather,
+        config.train.remat,
+        params=state.params,
+        state_bytes=per_device_bytes(state),
+        spec=ModelSpec.from_config(config.model, sharding.platform(mesh)),
+        rows=config.train.device_batch_size,
+        hbm_bytes=hbm_bytes,
+        fsdp=mesh.shape[FSDP],
+    )
+
+
+def device_memory_bytes(mesh: jax.sharding.Mesh) -> int | None:
+    """The memory of one of the mesh's devices (None on a CPU or where the runtime says none)."""
+    if sharding.platform(mesh) == "cpu":
+        return None
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def fsdp_dims(param_shardings: Any) -> Any:
+    """Per parameter (a tree like params): the dimension split over the fsdp axis, -1 if none."""
+
+    def dim(named: jax.sharding.NamedSharding) -> int:
+        for i, entry in enumerate(named.spec):
+            names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            if FSDP in names:
+                return i
+        return -1
+
+    return jax.tree.map(dim, param_shardings)
+
+
+def manual_spec(dim: int, ndim: int) -> PartitionSpec:
+    """A parameter's spec over the shard_map's manual axes: its fsdp dimension, if any."""
+    return PartitionSpec(*(FSDP if i == dim else None for i in range(ndim)))
+
+
+def gather(x: jax.Array, dim: int, dtype: Any) -> jax.Array:
+    """This device's shard x of a parameter gathered whole along `dim` over fsdp, in `dtype`."""
+    x = x.astype(dtype)
+    return x if dim < 0 else jax.lax.all_gather(x, FSDP, axis=dim, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather_reducing_fp32(x: jax.Array, dim: int, dtype: Any) -> jax.Array:
+    """`gather` whose transpose reduce-scatters the cotangent in fp32 (layer): the stored shard
+    x (fp32) travels in `dtype` (bf16), its gradient comes back summed in fp32."""
+    return gather(x, dim, dtype)
+
+
+def _gather_fwd(x, dim, dtype):
+    return gather(x, dim, dtype), jnp.zeros((), x.dtype)
+
+
+def _gather_bwd(dim, dtype, stored, g):
+    g = g.astype(jnp.float32)
+    if dim >= 0:
+        g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
+    return (g.astype(stored.dtype),)
+
+
+gather_reducing_fp32.defvjp(_gather_fwd, _gather_bwd)
+
+
+def reduce(g: jax.Array, dim: int, axes: tuple[str, ...]) -> jax.Array:
+    """Sum a gradient over the devices of `axes`, in fp32: scattered over fsdp along `dim`
+    (>= 0), summed over the rest (all of `axes` for a parameter with no fsdp dimension)."""
+    g = g.astype(jnp.float32)
+    if dim >= 0:
+        g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
+    rest = tuple(a for a in axes if dim < 0 or a != FSDP)
+    return jax.lax.psum(g, rest) if rest else g
+
+
+def accumulate(
+    loss_of: Callable[[Any, jax.Array, jax.Array], jax.Array],
+    variables: Any,
+    inputs: jax.Array,
+    targets: jax.Array,
+    shares: jax.Array,
+    params: Any,
+) -> tuple[jax.Array, Any]:
+    """sum_i shares[i] * loss_of(variables, inputs[i], targets[i]) and its gradient, over the
+    micro-batches i of inputs, targets (accum, rows, T) in a `lax.scan`. Each gradient is
+    summed in its parameter's dtype (`params`: the stored parameters, a tree like variables):
+    fp32 for fp32 parameters whatever the compute copy's dtype, bf16 for bf16 tables, as the
+    reference sums .grad in the parameter's dtype (and as a full fp32 sum of d24's tables
+    would cost 0.9 GB more per device)."""
+
+    def micro_step(grad_sum, batch):
+        inputs_i, targets_i, share = batch
+        loss, grads = jax.value_and_grad(lambda v: loss_of(v, inputs_i, targets_i) * share)(
+            variables
+        )
+        return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
+
+    zeros = jax.tree.map(lambda v, p: jnp.zeros(v.shape, p.dtype), variables, params)
+    grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets, shares))
+    return losses.sum(), grad_sum
+
+
+def block_runner(gather_dims: Callable[[nnx.State], Any] | None, compute_dtype: Any, remat: bool):
+    """How each block runs inside the micro-batch, or None for a plain call. With
+    `gather_dims` (layer): its parameters, this device's shards, gathered when it runs and once
+    more in its backward (`jax.checkpoint` keeps the gathered weights out of the residuals),
+    their gradients reduce-scattered in fp32. With `remat`: nothing of the block kept but its
+    inputs, its forward run again in the backward."""
+    if gather_dims is None and not remat:
+        return None
+    policy = (
+        jax.checkpoint_policies.nothing_saveable
+        if remat
+        else jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+    )
+
+    def run(block: nnx.Module, *args: Any) -> Any:
+        graph, local = nnx.split(block)
+        dims = gather_dims(local) if gather_dims is not None else None
+
+        def call(local: nnx.State, *args: Any) -> Any:
+            def one(path: tuple, x: jax.Array, dim: int) -> jax.Array:
+                dtype = compute_dtype if gathers_in_compute_dtype(path) else x.dtype
+                return jax.ad_checkpoint.checkpoint_name(
+                    gather_reducing_fp32(x, dim, jnp.dtype(dtype)), GATHERED
+                )
+
+            whole = local if dims is None else jax.tree_util.tree_map_with_path(one, local, dims)
+            return nnx.merge(graph, whole)(*args)
+
+        return jax.checkpoint(call, policy=policy)(local, *args)
+
+    return run
+
+
+def gather_leaf(path: tuple, x: jax.Array, dim: int, compute_dtype: Any) -> jax.Array:
+    """One parameter of a compute copy gathered whole, in the compute dtype if it is a kernel,
+    and returned in its own dtype (a dense kernel is already in the compute dtype; lm_head is
+    differentiated as stored, the loss casting it at use)."""
+    dtype = compute_dtype if gathers_in_compute_dtype(path) else x.dtype
+    return gather(x, dim, dtype).astype(x.dtype)
+
+
+def sharded_gradients(
+    graphdef: nnx.GraphDef,
+    param_shardings: Any,
+    mesh: jax.sharding.Mesh,
+    schedule: StepSchedule,
+) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
+    """gradients(params, inputs, targets (accum, rows, T)) -> (mean loss, mean gradient) on
+    `mesh` with `schedule` (module docstring); for use inside the jitted step, where params
+    carry `param_shardings` and the rows are split over the batch axes."""
+    mode = schedule.gather
+    if mode not in ("step", "layer"):
+        raise ValueError(f"fsdp gather mode {mode!r}; expected step or layer")
+    batch_axes = sharding.BATCH_AXES
+    others = tuple(a for a in batch_axes if a != FSDP)
+    dims = fsdp_dims(param_shardings)
+
+    def local_gradients(params: Any, inputs: jax.Array, targets: jax.Array):
+        valid = jnp.sum(targets >= 0, axis=(1, 2))  # (accum,): this device's valid targets
+        shares = valid / jnp.maximum(jax.lax.psum(valid, batch_axes), 1) / inputs.shape[0]
+        compute_dtype = nnx.merge(graphdef, params).spec.compute_dtype
+        compute = dense_kernels_in(params, compute_dtype)
+
+        def whole(tree: Any, tree_dims: Any) -> Any:
+            return jax.tree_util.tree_map_with_path(
+                lambda path, x, dim: gather_leaf(path, x, dim, compute_dtype), tree, tree_dims
+            )
+
+        if mode == "step":
+            variables, gather_dims = whole(compute, dims), None
+        else:  # the blocks' shards as stored, gathered block by block; the rest once
+            rest = {k: v for k, v in compute.items() if k != "blocks"}
+            variables = {**whole(rest, {k: dims[k] for k in rest}), "blocks": params["blocks"]}
+
+            def gather_dims(local: nnx.State) -> Any:
+                return jax.tree.map(sharding.fsdp_dim, nnx.get_partition_spec(local))
+
+        run_block = block_runner(gather_dims, compute_dtype, schedule.remat)
+
+        def loss_of(variables: Any, inputs_i: jax.Array, targets_i: jax.Array) -> jax.Array:
+            return nnx.merge(graphdef, variables).loss(inputs_i, targets_i, run_block=run_block)
+
+        loss, grads = accumulate(loss_of, variables, inputs, targets, shares, params)
+        reduced = jax.tree.map(lambda g, dim: reduce(g, dim, batch_axes), grads, dims)
+        if mode == "layer":  # the blocks' gradients left the gathers scattered over fsdp
+            reduced["blocks"] = jax.tree.map(
+                lambda g, dim: reduce(g, -1, others if dim >= 0 else batch_axes),
+                grads["blocks"],
+                dims["blocks"],
+            )
+        reduced = jax.tree.map(lambda g, p: g.astype(p.dtype), reduced, params)
+        return jax.lax.psum(loss, batch_axes), reduced
+
+    param_specs = jax.tree.map(
+        lambda dim, named: manual_spec(dim, len(named.spec)), dims, param_shardings
+    )
+    batch_spec = PartitionSpec(None, batch_axes)
+    return jax.shard_map(
+        local_gradients,
+        mesh=mesh,
+        in_specs=(param_specs, batch_spec, batch_spec),
+        out_specs=(PartitionSpec(), param_specs),
+        axis_names=set(batch_axes),
+        check_vma=False,
+    )
