@@ -15,8 +15,11 @@
 #   rows    the micro-batch size: both pairs at 4 micro-batches of 2x and 4x their default rows
 #           per device, steps only (tokens/s and peak memory against the default run's):
 #           at most 540 s.
-# The image's jax/flax/optax are used; only ml_collections is carried as a wheel in .whl/
-# (`pip download ml_collections --no-deps -d .whl`, then carry .whl). Results land in $OUT.
+# The image's jax/flax/optax are used; what it lacks (benchmarks/h200_wheels.txt) is carried
+# as wheels in .whl/: run `bash benchmarks/h200_wheels.sh` here first, then carry .whl
+# (tests/test_h200_image.py runs both benches with only the image's packages and these).
+# --profile turns the GPU's command buffers off (bov_jax/train/xla_flags.py), so that the
+# trace has an event per op. Results land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1

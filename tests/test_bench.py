@@ -89,6 +89,23 @@ def test_gpu_flags_keep_flags_already_given():
     assert environ["XLA_FLAGS"] == given
 
 
+def test_profiling_turns_gpu_command_buffers_off(monkeypatch):
+    """A profile on a GPU traces each op only without command buffers (CUDA graphs)."""
+    from bov_jax.train import xla_flags
+
+    monkeypatch.setattr(xla_flags.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    for switch in ("1", "0"):
+        environ = {"BOV_XLA_GPU_FLAGS": switch}
+        xla_flags.set_gpu_flags(environ, profiling=True)
+        flags = environ["XLA_FLAGS"].split()
+        assert xla_flags.NO_COMMAND_BUFFERS in flags
+        assert not [f for f in flags if f.startswith("--xla_gpu_enable_command_buffer=F")]
+        assert ("--xla_gpu_enable_triton_gemm=false" in flags) == (switch == "1")
+        environ = {"BOV_XLA_GPU_FLAGS": switch}
+        xla_flags.set_gpu_flags(environ)
+        assert xla_flags.NO_COMMAND_BUFFERS not in environ.get("XLA_FLAGS", "").split()
+
+
 def test_profile_times_ops_by_category_and_scope(tmp_path):
     import jax
     import jax.numpy as jnp

@@ -116,18 +116,32 @@ def test_v1_targets_read_layer_0s_v_cache():
     assert cache.token_ids is None
 
 
-@pytest.mark.parametrize(("window", "k_length"), [(4, 23), (100, 23), (4, 48)])
-def test_table_attention_equals_attention_over_the_gathered_rows(window, k_length):
-    """Blocks of 8 slots out of 48: blocks before the window and past k_length are skipped."""
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (2, 3, 2, 8))
+def full_cache_attention(q, k, v, *, q_positions, k_length, window):
+    """Attention over every slot of the cache, masked: what the windowed read must equal."""
+    mask = layers.cache_mask(q_positions, k.shape[1], k_length, window)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="xla")
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize(("window", "k_length"), [(4, 23), (100, 23), (4, 48), (7, 5)])
+def test_windowed_cache_reads_equal_attention_over_every_slot(window, k_length, queries):
+    """The attentions read only the slots the window reaches (a static count); the table's
+    rows gathered where they are weighed equal attention over the gathered values."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (2, queries, 2, 8))
     k = jax.random.normal(keys[1], (2, 48, 2, 8))
+    v = jax.random.normal(keys[4], (2, 48, 2, 8))
     table = jax.random.normal(keys[2], (30, 16))
     ids = jax.random.randint(keys[3], (2, 48), 0, 30)
-    mask = dict(q_positions=k_length - 3 + jnp.arange(3), k_length=k_length, window=window)
-    fused = layers.cached_table_attention(q, k, table, ids, block=8, **mask)
-    gathered = layers.cached_attention(q, k, table[ids].reshape(2, 48, 2, 8), **mask)
-    assert float(jnp.std(gathered)) > 0.1
+    start = max(k_length - queries, 0)
+    mask = dict(q_positions=start + jnp.arange(queries), k_length=k_length, window=window)
+    first, count = layers.visible_slots(mask["q_positions"], 48, window)
+    assert count == min(48, window + queries) and 0 <= int(first) <= 48 - count
+    want = full_cache_attention(q, k, v, **mask)
+    assert float(jnp.std(want)) > 0.1
+    np.testing.assert_allclose(layers.cached_attention(q, k, v, **mask), want, rtol=1e-5, atol=1e-6)
+    gathered = full_cache_attention(q, k, table[ids].reshape(2, 48, 2, 8), **mask)
+    fused = layers.cached_table_attention(q, k, table, ids, **mask)
     np.testing.assert_allclose(fused, gathered, rtol=1e-5, atol=1e-6)
 
 

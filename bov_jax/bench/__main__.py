@@ -313,7 +313,7 @@ def bench_data(path: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    xla_flags.set_gpu_flags()  # before the backend starts
+    xla_flags.set_gpu_flags(profiling=bool(FLAGS.profile))  # before the backend starts
     host_memory.reuse_freed_memory_on_cpu()  # before the backend starts
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}", flush=True)
     if argv[1] == "data":

@@ -209,21 +209,45 @@ def control_flow_multiplicities(module: Module) -> dict[str, int]:
     return dict(counts)
 
 
+def fusion_root(module: Module, instruction: Instruction) -> str:
+    """The opcode at the root of a fusion's computation, its last instruction ('' if none)."""
+    called = re.search(r"calls=%?([\w.\-]+)", instruction.attributes)
+    body = module.computations.get(called[1], []) if called else []
+    return body[-1].opcode if body else ""
+
+
+def op_traffic(module: Module, instruction: Instruction, shapes: dict[str, str]) -> float:
+    """Bytes one op reads and writes in device memory. An update in place (a dynamic-update-
+    slice or a scatter, alone or at a fusion's root) moves its update, not the buffer it
+    writes into; a gather or dynamic-slice reads what it returns, not its whole operand; an
+    asynchronous op (`*-start`) moves its output once in and once out."""
+    operands = [shape_bytes(shapes.get(o, "")) for o in instruction.operands]
+    result = shape_bytes(instruction.shape)
+    kind = instruction.opcode
+    if kind.endswith("-start"):  # async: its result holds the operands beside the output
+        return 2.0 * max(0.0, result - sum(operands))
+    if kind == "fusion":
+        kind = fusion_root(module, instruction) or kind
+    if kind in ("dynamic-update-slice", "scatter"):  # the largest operand is the buffer
+        rest = sorted(operands)[:-1]
+        return 2.0 * sum(rest)
+    if kind in ("dynamic-slice", "gather", "slice"):
+        return 2.0 * result
+    return result + sum(operands)
+
+
 def memory_traffic(module: Module) -> float:
     """Bytes per step per device that the program's ops read and write in device memory: each
     op outside a fusion reads its operands and writes its result (a fusion's internals stay on
-    chip), loop bodies weighted by their trip counts. An estimate of the HBM traffic that
-    XLA's cost analysis, which counts a loop body once, does not give."""
+    chip; `op_traffic`), loop bodies weighted by their trip counts. An estimate of the HBM
+    traffic that XLA's cost analysis, which counts a loop body once, does not give."""
     shapes = module.shapes
     total = 0.0
     for name, times in control_flow_multiplicities(module).items():
         for instruction in module.computations[name]:
             if instruction.opcode in NO_TRAFFIC or instruction.opcode.endswith("-done"):
                 continue
-            moved = shape_bytes(instruction.shape) + sum(
-                shape_bytes(shapes.get(o, "")) for o in instruction.operands
-            )
-            total += times * moved
+            total += times * op_traffic(module, instruction, shapes)
     return total
 
 

@@ -8,9 +8,10 @@ rebuilt from something already held (spec section 8, paper section 4):
 
   own   the layer's values depend on the context: a V cache (B, S, H, hd).
   bank  an id-only target (source=bank, combine=replace): no V cache. The cache keeps the
-        token-id history (B, S) once; attention weights come first, then V = coef * E_l[ids]
-        is gathered block by block inside the attention (`layers.cached_table_attention`),
-        only for the blocks inside the layer's window, and never stored whole.
+        token-id history (B, S) once; attention weights come first, then each visible slot's
+        row of E_l is read where it is weighed (`layers.cached_table_attention`: the slots
+        the layer's window reaches, a static count, and in a decoding step a gather fused
+        into the weighted sum), V = coef * E_l[ids] never stored.
         `eliminate_bank_v=False` keeps a V cache instead.
   v1    a source=v1, combine=replace target: V = coef * V1, and V1 at past positions is
         exactly layer 0's V cache, so the layer reads that instead of holding a copy.

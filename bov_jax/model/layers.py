@@ -131,14 +131,31 @@ def _masked_attention(
     return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
 
 
-def cache_mask(q_positions: jax.Array, slots: int, k_length: jax.Array, window: int) -> jax.Array:
-    """Which cache slots each new query sees: (Tq, S) bool.
+def cache_mask(
+    q_positions: jax.Array, slots: int, k_length: jax.Array, window: int, first: jax.Array = 0
+) -> jax.Array:
+    """Which cache slots each new query sees: (Tq, S) bool, slot j holding position first + j.
 
-    The query at p sees slot j iff j <= p, p - j <= window and j < k_length.
+    The query at p sees the position j' = first + j iff j' <= p, p - j' <= window and
+    j' < k_length.
     """
-    j = jnp.arange(slots)[None, :]
+    j = first + jnp.arange(slots)[None, :]
     p = q_positions[:, None]
     return (j <= p) & (p - j <= window) & (j < k_length)
+
+
+def visible_slots(q_positions: jax.Array, slots: int, window: int) -> tuple[jax.Array, int]:
+    """(first slot, count) of the cache slots that queries at ascending q_positions (Tq,) can
+    see through a window: a static count, min(S, window + Tq), so that a decoding step reads
+    a window layer's last window + 1 slots, not all S, without a loop of dynamic length."""
+    count = min(slots, window + q_positions.shape[0])
+    first = jnp.clip(q_positions[0] - window, 0, slots - count)
+    return first, count
+
+
+def _windowed(x: jax.Array, first: jax.Array, count: int) -> jax.Array:
+    """Slots [first, first + count) of x (B, S, ...)."""
+    return x if count == x.shape[1] else jax.lax.dynamic_slice_in_dim(x, first, count, axis=1)
 
 
 def cached_attention(
@@ -152,10 +169,13 @@ def cached_attention(
 ) -> jax.Array:
     """Attention of new queries over a cache of keys/values (decoding).
 
-    q: (B, Tq, H, hd) at absolute positions q_positions (Tq,); k, v: (B, S, H, hd) where
-    slots >= k_length are empty; masked as `cache_mask`. Returns (B, Tq, H, hd).
+    q: (B, Tq, H, hd) at ascending absolute positions q_positions (Tq,); k, v: (B, S, H, hd)
+    where slots >= k_length are empty; only the slots the window can reach are read
+    (`visible_slots`), masked as `cache_mask`. Returns (B, Tq, H, hd).
     """
-    mask = cache_mask(q_positions, k.shape[1], k_length, window)
+    first, count = visible_slots(q_positions, k.shape[1], window)
+    mask = cache_mask(q_positions, count, k_length, window, first)
+    k, v = _windowed(k, first, count), _windowed(v, first, count)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="xla")
 
 
@@ -168,31 +188,33 @@ def cached_table_attention(
     q_positions: jax.Array,
     k_length: jax.Array,
     window: int,
-    block: int = 512,
 ) -> jax.Array:
     """`cached_attention` whose values are table rows: v[b, j] = table[ids[b, j]].
 
     q: (B, Tq, H, hd) at ascending positions q_positions (Tq,); k: (B, S, H, hd); table:
-    (rows, H * hd); ids: (B, S) int. The softmax weights (B, H, Tq, S) come first; then a
-    loop over blocks of slots gathers each block's rows (B, block, H, hd) and adds its
-    weighted sum, so the values of all S slots are never gathered into one buffer, and
-    blocks no query sees (past k_length, or before the first query's window) are skipped.
-    Returns (B, Tq, H, hd) in q's dtype.
+    (rows, H * hd); ids: (B, S) int. Only the visible slots are read (`visible_slots`, a
+    static count). The softmax weights come first; then each visible slot's row is read from
+    the table where it is weighed: for one query per row (a decoding step) the weighted sum
+    is a multiply-and-reduce over the gathered rows, which XLA fuses with the gather, so the
+    rows are read once and never written out as values; for several queries (a prefill) an
+    einsum over the gathered rows. No V cache either way. Returns (B, Tq, H, hd), q's dtype.
     """
     batch, slots, heads, head_dim = k.shape
+    first, count = visible_slots(q_positions, slots, window)
+    k, ids = _windowed(k, first, count), _windowed(ids, first, count)
     logits = jnp.einsum("bqhd,bshd->bhqs", q, k, preferred_element_type=jnp.float32)
     logits = logits / jnp.sqrt(jnp.float32(head_dim))
-    mask = cache_mask(q_positions, slots, k_length, window)[None, None]
-    weights = jax.nn.softmax(logits, axis=-1, where=mask).astype(q.dtype)
-    size = math.gcd(slots, block)  # blocks tile the S slots exactly
-
-    def add_block(i: jax.Array, acc: jax.Array) -> jax.Array:
-        w = jax.lax.dynamic_slice_in_dim(weights, i * size, size, axis=3)
-        rows = table[jax.lax.dynamic_slice_in_dim(ids, i * size, size, axis=1)]
-        rows = rows.astype(q.dtype).reshape(batch, size, heads, head_dim)
-        return acc + jnp.einsum("bhqs,bshd->bqhd", w, rows, preferred_element_type=jnp.float32)
-
-    first = jnp.maximum(q_positions[0] - window, 0) // size
-    last = -(-k_length // size)
-    out = jnp.zeros(q.shape, jnp.float32)
-    return jax.lax.fori_loop(first, last, add_block, out).astype(q.dtype)
+    mask = cache_mask(q_positions, count, k_length, window, first)[None, None]
+    weights = jax.nn.softmax(logits, axis=-1, where=mask)  # (B, H, Tq, count) fp32
+    rows = jnp.take(table, ids, axis=0).reshape(batch, count, heads, head_dim)
+    if q.shape[1] == 1:
+        w = jnp.swapaxes(weights[:, :, 0], 1, 2)[..., None]  # (B, count, H, 1)
+        y = jnp.sum(w * rows.astype(jnp.float32), axis=1)[:, None]  # (B, 1, H, hd)
+    else:
+        y = jnp.einsum(
+            "bhqs,bshd->bqhd",
+            weights.astype(q.dtype),
+            rows.astype(q.dtype),
+            preferred_element_type=jnp.float32,
+        )
+    return y.astype(q.dtype)

@@ -11,17 +11,19 @@ bytes per parameter are needed. `sharded_gradients` is a `jax.shard_map` over th
   step   the compute copy of every parameter (dense kernels in the compute dtype, the tables as
          stored, lm_head gathered in the compute dtype and differentiated in its own) is
          gathered once per step, before the micro-batch loop, and kept for every micro-batch;
-         each device accumulates the gradient of its rows over the micro-batches in fp32; one
-         reduce-scatter over fsdp and one all-reduce of the shards over data at the end. Bytes
-         per device per step: the gathered copy (2 B per bf16 parameter) and the fp32 gradient
-         (4 B), whatever the number of micro-batches.
+         each device accumulates the gradient of its rows over the micro-batches in each
+         parameter's dtype; one reduce-scatter over fsdp in fp32 and one all-reduce of the
+         shards over data at the end. Bytes per device per step: the gathered copy (2 B per
+         bf16 parameter) and the fp32 gradient (4 B), whatever the number of micro-batches.
   layer  for models whose compute copy and fp32 gradient do not fit beside the activations:
          each block's parameters are gathered in the compute dtype when the block runs (and
          once more in its backward: `jax.checkpoint` keeps the gathered weights out of the
          saved residuals), and the gather's transpose reduce-scatters their gradient in fp32,
          once per block and micro-batch; the rest (wte, lm_head, smear) as in step.
-  auto   step when the compute copy and an fp32 gradient of every parameter take at most
-         STEP_SHARE_OF_HBM of the chip's memory (always on a CPU), else layer.
+  auto   step when the state, the compute copy, the accumulator and one micro-batch's
+         gradients take at most STEP_SHARE_OF_HBM of the chip's memory (always on a CPU),
+         else layer. `train.remat=auto` then recomputes each block's forward in its backward
+         where the activations would not fit beside them (`choose_schedule`).
 
 On a data-parallel mesh (fsdp 1) the gathers vanish and either schedule is one all-reduce of
 the fp32 gradient per step. The loss of a micro-batch is its mean over the valid targets of
@@ -46,12 +48,12 @@ from bov_jax.config import FSDP_GATHER_MODES, REMAT_MODES
 from bov_jax.model.gpt import dense_kernels_in
 from bov_jax.model.spec import ModelSpec
 
-STEP_SHARE_OF_HBM = 0.5  # of the chip's memory: the state, compute copy and accumulator
+STEP_SHARE_OF_HBM = 0.65  # of the chip's memory: the state and step's copy, accumulator, grads
 FIT_SHARE_OF_HBM = 0.85  # of the chip's memory, beyond which the blocks are recomputed
-# Activation bytes kept per token, layer and unit of width in bf16: d24 BoV on v5e-8, fsdp 8,
-# 2 rows compiled at 16.68 GiB of peak without recomputation and 9.41 with (7.27 GiB for
-# 2 x 2048 tokens x 24 layers x 1536).
-ACTIVATION_BYTES = 52
+# Activation bytes kept per token, layer and unit of width in bf16, an estimate from two
+# compiles on v5e-8, fsdp 8, without recomputation: d12 BoV at 16 rows (11.10 GiB of peak,
+# 33 bytes beside the state and `step_bytes`) and d24 BoV at 2 rows (16.68 GiB, 54 bytes).
+ACTIVATION_BYTES = 40
 FSDP = "fsdp"
 GATHERED = "fsdp_gathered"  # checkpoint_name of a block's gathered weights (layer)
 GIB = 2**30
@@ -81,12 +83,13 @@ def gathers_in_compute_dtype(path: tuple) -> bool:
 
 
 def step_bytes(params: Any, compute_dtype: Any) -> int:
-    """Bytes per device of step's gathered compute copy and gradient accumulator (in each
-    parameter's dtype)."""
+    """Bytes per device that step holds beside the sharded state: the gathered compute copy,
+    the gradient accumulator (in each parameter's dtype) and one micro-batch's gradients
+    while they are added to it (the size of the compute copy)."""
 
     def one(path: tuple, x: Any) -> int:
-        dtype = compute_dtype if gathers_in_compute_dtype(path) else x.dtype
-        return math.prod(x.shape) * (jnp.dtype(dtype).itemsize + jnp.dtype(x.dtype).itemsize)
+        copy = jnp.dtype(compute_dtype if gathers_in_compute_dtype(path) else x.dtype).itemsize
+        return math.prod(x.shape) * (2 * copy + jnp.dtype(x.dtype).itemsize)
 
     return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(one, params)))
 
@@ -120,33 +123,32 @@ def choose_schedule(
 ) -> StepSchedule:
     """`mesh.fsdp_gather` and `train.remat` resolved: as configured unless "auto", then by
     what fits in `hbm_bytes` per chip (None: no limit) beside the sharded state
-    (`state_bytes` per device): gather per step where its compute copy and accumulator take
-    at most STEP_SHARE_OF_HBM, and recompute the blocks where the state, that copy and the
-    activations of `rows` rows (`activation_bytes`, an estimate) would pass FIT_SHARE_OF_HBM."""
+    (`state_bytes` per device): gather per step where the state and `step_bytes` take at most
+    STEP_SHARE_OF_HBM, and recompute the blocks where those and the activations of `rows`
+    rows (`activation_bytes`, an estimate) would pass FIT_SHARE_OF_HBM."""
     if gather not in FSDP_GATHER_MODES:
         raise ValueError(f"mesh.fsdp_gather={gather!r}; expected one of {FSDP_GATHER_MODES}")
     if remat not in REMAT_MODES:
         raise ValueError(f"train.remat={remat!r}; expected one of {REMAT_MODES}")
-    copy = step_bytes(params, spec.compute_dtype)
+    extra = step_bytes(params, spec.compute_dtype)
     reasons = []
     if gather == "auto":
-        fits = hbm_bytes is None or fsdp == 1 or state_bytes + copy <= STEP_SHARE_OF_HBM * hbm_bytes
+        held = state_bytes + extra
+        fits = hbm_bytes is None or fsdp == 1 or held <= STEP_SHARE_OF_HBM * hbm_bytes
         gather = "step" if fits else "layer"
         if fsdp > 1 and hbm_bytes is not None:
             reasons.append(
-                f"state + compute copy and accumulator {(state_bytes + copy) / GIB:.1f} GiB "
+                f"state + step's copy, accumulator and gradients {held / GIB:.1f} GiB "
                 f"{'<=' if fits else '>'} {STEP_SHARE_OF_HBM:.0%} of {hbm_bytes / GIB:.1f} GiB"
             )
     if remat == "auto":
-        need = state_bytes + (copy if gather == "step" and fsdp > 1 else 0)
-        need += activation_bytes(spec, rows)
-        remat = (
-            "blocks" if hbm_bytes is not None and need > FIT_SHARE_OF_HBM * hbm_bytes else "none"
-        )
+        need = state_bytes + (extra if gather == "step" else 0) + activation_bytes(spec, rows)
+        over = hbm_bytes is not None and need > FIT_SHARE_OF_HBM * hbm_bytes
+        remat = "blocks" if over else "none"
         if hbm_bytes is not None:
             reasons.append(
-                f"state, copy and {rows}-row activations about {need / GIB:.1f} GiB "
-                f"{'>' if remat == 'blocks' else '<='} {FIT_SHARE_OF_HBM:.0%} of the chip"
+                f"with {rows}-row activations about {need / GIB:.1f} GiB "
+                f"{'>' if over else '<='} {FIT_SHARE_OF_HBM:.0%} of the chip"
             )
     return StepSchedule(gather, remat == "blocks", "; ".join(reasons) or "as configured")
 

@@ -35,8 +35,19 @@ def with_gpu_flags(xla_flags: str, flags: tuple[str, ...] = GPU_FLAGS) -> str:
     return " ".join([xla_flags, *added]).strip()
 
 
-def set_gpu_flags(environ: os._Environ | dict = os.environ) -> None:
-    """Add GPU_FLAGS to environ["XLA_FLAGS"] on NVIDIA GPUs unless BOV_XLA_GPU_FLAGS=0."""
-    if environ.get("BOV_XLA_GPU_FLAGS", "1") == "0" or not on_nvidia_gpu(environ):
+# A profile needs one trace event per op: a command buffer runs its ops as one CUDA graph,
+# whose events name none of them (the H200 profile of 2026-12 put 100% of device time under
+# "other"), so profiling turns command buffers off.
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+
+
+def set_gpu_flags(environ: os._Environ | dict = os.environ, profiling: bool = False) -> None:
+    """Add GPU_FLAGS to environ["XLA_FLAGS"] on NVIDIA GPUs unless BOV_XLA_GPU_FLAGS=0; with
+    `profiling`, command buffers off (NO_COMMAND_BUFFERS), even if BOV_XLA_GPU_FLAGS=0."""
+    if not on_nvidia_gpu(environ):
         return
-    environ["XLA_FLAGS"] = with_gpu_flags(environ.get("XLA_FLAGS", ""))
+    flags = GPU_FLAGS if environ.get("BOV_XLA_GPU_FLAGS", "1") != "0" else ()
+    if profiling:
+        name = NO_COMMAND_BUFFERS.split("=")[0]
+        flags = (NO_COMMAND_BUFFERS, *(f for f in flags if f.split("=")[0] != name))
+    environ["XLA_FLAGS"] = with_gpu_flags(environ.get("XLA_FLAGS", ""), flags)
