@@ -41,7 +41,7 @@ from bov_jax.train.step import make_eval_step, make_train_step
 
 GIB = 2**30
 STEPS = ("train", "eval", "prefill", "decode")
-MICRO_BATCH_SCAN = "shard_map/while/body/"  # in the op_name of the micro-batch scan's ops
+MICRO_BATCH_SCAN = "while/body/"  # in the op_name of the micro-batch scan's ops
 TOP_SOURCES = 8  # collective sources listed per step
 DECODE_PROMPT = 8  # tokens of the prompt a decode is compiled for (one row, as main samples)
 
