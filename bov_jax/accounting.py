@@ -271,16 +271,16 @@ def main(argv: list[str]) -> None:
 def define_flags() -> None:
     """The command's flags (defined only when run, so that importing this module defines none)."""
     from absl import flags
+    from ml_collections import config_flags
 
-    from bov_jax.config import define_config_flag
-
-    define_config_flag()
+    # Not bov_jax.config's flag: it imports this module (to resolve the horizon). A config
+    # file that does not load is still one line (cli.parse_flags).
+    config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
     flags.DEFINE_bool("xla", False, "Also compile the model and print XLA's FLOPs count.")
 
 
 if __name__ == "__main__":
     from bov_jax import cli
-    from bov_jax.config import check_config_arguments
 
     define_flags()
-    cli.run(main, check_argv=check_config_arguments)
+    cli.run(main)

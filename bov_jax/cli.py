@@ -149,12 +149,13 @@ def parse_flags(
     except flags.Error as err:
         message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
         raise UserError(f"{message} (--help lists the flags)") from err
-    except (OSError, KeyError, AttributeError, TypeError, ValueError) as err:
-        # ml_collections wraps a config file's own error in several layers; its last line
-        # names the cause. A KeyError's str() is the repr of its message: take the message.
+    except Exception as err:  # a config file's own error, wrapped by ml_collections
+        # Its last line names the cause. A KeyError's str() is the repr of its message.
         text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
         lines = [line.strip() for line in text.splitlines() if line.strip()]
-        raise UserError(f"cannot load the config: {lines[-1] if lines else repr(err)}") from err
+        cause = lines[-1] if lines else repr(err)
+        cause = cause if len(cause) <= 150 else cause[:147] + "..."
+        raise UserError(f"cannot load the config: {type(err).__name__}: {cause}") from err
 
 
 def exit_now(err: BaseException, debug: bool = False) -> None:

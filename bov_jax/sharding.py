@@ -107,6 +107,29 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def per_device_heads(attend: Any) -> Any:
+    """`attend(q, k, v)` on (B, T, H, hd) arrays, run on each device's rows and heads of the
+    ambient mesh: for attention kernels XLA does not partition (splash, a Mosaic call) or
+    partitions only where no axis is manual (cuDNN's custom partitioner fails inside the train
+    step's shard_map over the batch axes). A shard_map over the ambient mesh's axes that are
+    still XLA's (all three outside a shard_map; tensor inside the train step's): batch rows
+    over data and fsdp, heads over tensor. `attend` itself where no mesh is set."""
+
+    def wrapped(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+            return attend(q, k, v)
+        auto = [axis for axis in MESH_AXES if axis not in mesh.manual_axes]
+        batch = tuple(axis for axis in BATCH_AXES if axis in auto) or None
+        spec = PartitionSpec(batch, None, "tensor" if "tensor" in auto else None, None)
+        mapped = jax.shard_map(
+            attend, in_specs=(spec,) * 3, out_specs=spec, axis_names=set(auto), check_vma=False
+        )
+        return mapped(q, k, v)
+
+    return wrapped
+
+
 def ambient_batch_shards() -> int:
     """Devices the rows are split over on the ambient mesh (1 where none is set, and 1 inside
     a shard_map over the batch axes, where each device holds its own rows)."""

@@ -20,6 +20,8 @@ from helpers import tiny_config
 from bov_jax import sharding
 from bov_jax.accounting import training_plan
 from bov_jax.compile import hlo
+from bov_jax.model.spec import ModelSpec
+from bov_jax.train import fsdp as fsdp_module
 from bov_jax.train.checkpoint import Checkpoints
 from bov_jax.train.fsdp import StepSchedule
 from bov_jax.train.optim import param_labels
@@ -155,3 +157,32 @@ def test_step_collectives_do_not_grow_with_the_micro_batches():
         compiled_collective_bytes(4, "layer"),
     )
     assert layer_four - layer_two > 0.25 * layer_two
+
+
+def test_auto_schedule_gathers_per_layer_only_where_step_would_not_fit():
+    _, _, _, state, _, _ = setup("d12_bov", (1, 8, 1))
+    model = ModelSpec.from_config(tiny_config("d12_bov", depth=3, seq_len=SEQ).model)
+    held = fsdp_module.step_bytes(state.params, model.compute_dtype)
+    kwargs = dict(params=state.params, state_bytes=0, spec=model, fsdp=8)
+    assert fsdp_module.choose_schedule("auto", "auto", hbm_bytes=None, **kwargs).gather == "step"
+    roomy = fsdp_module.choose_schedule("auto", "auto", hbm_bytes=4 * held, **kwargs)
+    tight = fsdp_module.choose_schedule("auto", "auto", hbm_bytes=held, **kwargs)
+    assert (roomy.gather, tight.gather) == ("step", "layer")
+    assert fsdp_module.choose_schedule("layer", "blocks", hbm_bytes=None, **kwargs) == StepSchedule(
+        "layer", True, "train.remat=blocks"
+    )
+
+
+def test_auto_remat_recomputes_only_where_the_compiled_step_does_not_fit():
+    compiled = []
+
+    def peak(schedule):
+        compiled.append(schedule)
+        return 100.0
+
+    plain = StepSchedule("step", False, "as configured")
+    assert not fsdp_module.fit_remat(plain, "auto", 200, peak).remat  # fits 90% of 200
+    assert fsdp_module.fit_remat(plain, "auto", 100, peak).remat  # does not fit 90% of 100
+    assert fsdp_module.fit_remat(plain, "auto", None, peak) == plain  # no limit: no compile
+    assert fsdp_module.fit_remat(plain, "none", 100, peak) == plain
+    assert len(compiled) == 2 and not any(s.remat for s in compiled)

@@ -95,18 +95,21 @@ class Setup:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated(self.mesh))
 
 
+def lowered_train(setup: Setup, schedule: fsdp.StepSchedule) -> Any:
+    """The train step `main` runs, with `schedule`, lowered for the target."""
+    layout, fault_step = setup.layout(), setup.config.train.fault_nonfinite_step
+    step = make_train_step(
+        setup.graphdef, setup.tx, setup.shardings, setup.mesh, fault_step, schedule
+    )
+    batch = setup.tokens((layout.accum, layout.micro_rows, setup.spec.seq_len), leading=1)
+    return step.lower(setup.state, {"inputs": batch, "targets": batch})
+
+
 def lowered_steps(setup: Setup, names: tuple[str, ...]) -> dict[str, Any]:
-    """{name: lowered step} for `names` out of STEPS."""
-    config, spec, layout = setup.config, setup.spec, setup.layout()
+    """{name: lowered step} for `names` out of STEPS but train (`train_report`)."""
+    spec, layout = setup.spec, setup.layout()
     seq = spec.seq_len
     out = {}
-    if "train" in names:
-        fault_step = config.train.fault_nonfinite_step
-        step = make_train_step(
-            setup.graphdef, setup.tx, setup.shardings, setup.mesh, fault_step, setup.schedule()
-        )
-        batch = setup.tokens((layout.accum, layout.micro_rows, seq), leading=1)
-        out["train"] = step.lower(setup.state, {"inputs": batch, "targets": batch})
     if "eval" in names:
         step = make_eval_step(setup.graphdef, setup.shardings, setup.mesh)
         batch = setup.tokens((layout.micro_rows, seq))
@@ -260,7 +263,6 @@ def train_collectives(setup: Setup, module: hlo.Module) -> dict[str, Any]:
     ideal = ideal_collective_bytes(setup)
     count = param_counts(setup.spec).total
     return {
-        "schedule": dataclasses.asdict(setup.schedule()),
         "collective_bytes_per_step": total,
         "ideal_collective_bytes_per_step": ideal,
         "collectives_over_ideal": round(total / ideal, 3) if ideal else None,
@@ -336,11 +338,39 @@ def train_flops(setup: Setup, layout: BatchLayout, module: hlo.Module) -> dict[s
     }
 
 
+def train_report(setup: Setup, margin: float, hlo_dir: str | None = None) -> dict[str, Any]:
+    """The train step's report with the schedule `main` would choose on the target: train.remat
+    =auto recomputes the blocks only where the step compiled without it does not fit
+    (`fsdp.fit_remat`; the step is then compiled twice)."""
+    reports: dict[bool, dict[str, Any]] = {}
+
+    def peak_bytes(schedule: fsdp.StepSchedule) -> float:
+        report = analyse(setup, "train", lowered_train(setup, schedule), margin, hlo_dir)
+        report["schedule"] = dataclasses.asdict(schedule)
+        reports[schedule.remat] = report
+        peak = report["memory_gib"]["peak"]
+        return math.inf if peak is None else peak * GIB
+
+    schedule = fsdp.fit_remat(
+        setup.schedule(), setup.config.train.remat, setup.target.hbm_bytes, peak_bytes
+    )
+    if schedule.remat not in reports:
+        peak_bytes(schedule)
+    report = reports[schedule.remat]
+    report["schedule"] = dataclasses.asdict(schedule)
+    return report
+
+
 def compile_steps(
     setup: Setup, names: tuple[str, ...], margin: float, hlo_dir: str | None = None
 ) -> dict[str, dict[str, Any]]:
     lowered = lowered_steps(setup, names)
-    return {name: analyse(setup, name, lowered[name], margin, hlo_dir) for name in names}
+    return {
+        name: train_report(setup, margin, hlo_dir)
+        if name == "train"
+        else analyse(setup, name, lowered[name], margin, hlo_dir)
+        for name in names
+    }
 
 
 def row_candidates(setup: Setup) -> list[int]:

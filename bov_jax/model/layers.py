@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from bov_jax import sharding
 from bov_jax.model import splash
 
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
@@ -70,9 +71,13 @@ def attention(
         return blocked_attention(q, k, v, window=window)
     seq = q.shape[1]
     local = None if window >= seq - 1 else (window, 0)
-    return jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, local_window_size=local, implementation=implementation
-    )
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=local, implementation=implementation
+        )
+
+    return sharding.per_device_heads(attend)(q, k, v)
 
 
 def blocked_attention(

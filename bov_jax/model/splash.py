@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-from jax.sharding import PartitionSpec
+
+from bov_jax import sharding
 
 LANES = 128  # every splash block size must be a multiple of this
 BLOCKS = (512, 256, 128)  # preferred block sizes, largest first
-BATCH_AXES, HEAD_AXIS = ("data", "fsdp"), "tensor"  # bov_jax.sharding's mesh axes
 
 
 def block_size(seq: int) -> int:
@@ -102,21 +102,8 @@ def attention(
 
     q, k, v: (B, T, H, hd) -> (B, T, H, hd); softmax scale 1/sqrt(hd); block: the kernel's
     block size (default: the largest of BLOCKS dividing T rounded up to 128). Pallas
-    kernels are not partitioned by XLA: under an ambient mesh (module doc) with
-    bov_jax.sharding's axes, each device runs the kernel on its batch rows and heads.
+    kernels are not partitioned by XLA: under an ambient mesh (module doc) each device runs
+    the kernel on its batch rows and heads (`sharding.per_device_heads`).
     """
     attend = functools.partial(_attend, window=window, block=block)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(BATCH_AXES) | {HEAD_AXIS} <= set(mesh.axis_names):
-        return attend(q, k, v)
-    # Inside the train step's shard_map over the batch axes the rows are this device's
-    # already: only the axes still partitioned by XLA are split here.
-    manual = set(mesh.manual_axes)
-    batch = tuple(axis for axis in BATCH_AXES if axis not in manual) or None
-    heads = None if HEAD_AXIS in manual else HEAD_AXIS
-    spec = PartitionSpec(batch, None, heads, None)
-    axes = {axis for axis in (*BATCH_AXES, HEAD_AXIS) if axis not in manual}
-    sharded = jax.shard_map(
-        attend, in_specs=(spec,) * 3, out_specs=spec, axis_names=axes, check_vma=False
-    )
-    return sharded(q, k, v)
+    return sharding.per_device_heads(attend)(q, k, v)

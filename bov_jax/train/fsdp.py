@@ -23,7 +23,7 @@ bytes per parameter are needed. `sharded_gradients` is a `jax.shard_map` over th
   auto   step when the state, the compute copy, the accumulator and one micro-batch's
          gradients take at most STEP_SHARE_OF_HBM of the chip's memory (always on a CPU),
          else layer. `train.remat=auto` then recomputes each block's forward in its backward
-         where the activations would not fit beside them (`choose_schedule`).
+         where the step compiled without it would not fit (`fit_remat`).
 
 On a data-parallel mesh (fsdp 1) the gathers vanish and either schedule is one all-reduce of
 the fp32 gradient per step. The loss of a micro-batch is its mean over the valid targets of
@@ -49,11 +49,7 @@ from bov_jax.model.gpt import dense_kernels_in
 from bov_jax.model.spec import ModelSpec
 
 STEP_SHARE_OF_HBM = 0.65  # of the chip's memory: the state and step's copy, accumulator, grads
-FIT_SHARE_OF_HBM = 0.85  # of the chip's memory, beyond which the blocks are recomputed
-# Activation bytes kept per token, layer and unit of width in bf16, an estimate from two
-# compiles on v5e-8, fsdp 8, without recomputation: d12 BoV at 16 rows (11.10 GiB of peak,
-# 33 bytes beside the state and `step_bytes`) and d24 BoV at 2 rows (16.68 GiB, 54 bytes).
-ACTIVATION_BYTES = 40
+FIT_SHARE_OF_HBM = 0.9  # of the chip's memory: beyond it the blocks are recomputed (auto)
 FSDP = "fsdp"
 GATHERED = "fsdp_gathered"  # checkpoint_name of a block's gathered weights (layer)
 GIB = 2**30
@@ -103,13 +99,6 @@ def per_device_bytes(tree: Any) -> int:
     )
 
 
-def activation_bytes(spec: ModelSpec, rows: int) -> int:
-    """The activations one device keeps for the backward of a micro-batch of `rows` rows:
-    ACTIVATION_BYTES per token, layer and unit of width (compute dtype's bytes included)."""
-    per_unit = ACTIVATION_BYTES * jnp.dtype(spec.compute_dtype).itemsize / 2
-    return int(rows * spec.seq_len * spec.n_layer * spec.d_model * per_unit)
-
-
 def choose_schedule(
     gather: str,
     remat: str,
@@ -117,23 +106,21 @@ def choose_schedule(
     params: Any,
     state_bytes: int,
     spec: ModelSpec,
-    rows: int,
     hbm_bytes: int | None,
     fsdp: int,
 ) -> StepSchedule:
-    """`mesh.fsdp_gather` and `train.remat` resolved: as configured unless "auto", then by
-    what fits in `hbm_bytes` per chip (None: no limit) beside the sharded state
-    (`state_bytes` per device): gather per step where the state and `step_bytes` take at most
-    STEP_SHARE_OF_HBM, and recompute the blocks where those and the activations of `rows`
-    rows (`activation_bytes`, an estimate) would pass FIT_SHARE_OF_HBM."""
+    """`mesh.fsdp_gather` and `train.remat` resolved before compiling: as configured unless
+    "auto". gather=auto is step where the sharded state (`state_bytes` per device) and
+    `step_bytes` take at most STEP_SHARE_OF_HBM of `hbm_bytes` per chip (always with no
+    limit or no fsdp axis), else layer. remat=auto starts without recomputation: `fit_remat`
+    turns it on where the compiled step would not fit."""
     if gather not in FSDP_GATHER_MODES:
         raise ValueError(f"mesh.fsdp_gather={gather!r}; expected one of {FSDP_GATHER_MODES}")
     if remat not in REMAT_MODES:
         raise ValueError(f"train.remat={remat!r}; expected one of {REMAT_MODES}")
-    extra = step_bytes(params, spec.compute_dtype)
     reasons = []
     if gather == "auto":
-        held = state_bytes + extra
+        held = state_bytes + step_bytes(params, spec.compute_dtype)
         fits = hbm_bytes is None or fsdp == 1 or held <= STEP_SHARE_OF_HBM * hbm_bytes
         gather = "step" if fits else "layer"
         if fsdp > 1 and hbm_bytes is not None:
@@ -141,16 +128,31 @@ def choose_schedule(
                 f"state + step's copy, accumulator and gradients {held / GIB:.1f} GiB "
                 f"{'<=' if fits else '>'} {STEP_SHARE_OF_HBM:.0%} of {hbm_bytes / GIB:.1f} GiB"
             )
-    if remat == "auto":
-        need = state_bytes + (extra if gather == "step" else 0) + activation_bytes(spec, rows)
-        over = hbm_bytes is not None and need > FIT_SHARE_OF_HBM * hbm_bytes
-        remat = "blocks" if over else "none"
-        if hbm_bytes is not None:
-            reasons.append(
-                f"with {rows}-row activations about {need / GIB:.1f} GiB "
-                f"{'>' if over else '<='} {FIT_SHARE_OF_HBM:.0%} of the chip"
-            )
+    if remat != "auto":
+        reasons.append(f"train.remat={remat}")
     return StepSchedule(gather, remat == "blocks", "; ".join(reasons) or "as configured")
+
+
+def fit_remat(
+    schedule: StepSchedule,
+    remat: str,
+    hbm_bytes: int | None,
+    peak_bytes: Callable[[StepSchedule], float],
+) -> StepSchedule:
+    """train.remat=auto decided by compiling: `schedule` as it is where no recomputation was
+    asked for by "auto" or memory has no limit, or where the step compiled without it
+    (`peak_bytes(schedule)`: its peak per device) fits FIT_SHARE_OF_HBM of the chip; else the
+    blocks recomputed, which compiles the step a second time."""
+    if remat != "auto" or hbm_bytes is None:
+        return schedule
+    peak = peak_bytes(schedule)
+    fits = peak <= FIT_SHARE_OF_HBM * hbm_bytes
+    note = (
+        f"without recomputation the step needs {peak / GIB:.2f} GiB "
+        f"{'<=' if fits else '>'} {FIT_SHARE_OF_HBM:.0%} of {hbm_bytes / GIB:.1f} GiB"
+    )
+    reason = "; ".join(r for r in (schedule.reason, note) if r and r != "as configured")
+    return dataclasses.replace(schedule, remat=not fits, reason=reason)
 
 
 def schedule_for(
@@ -164,9 +166,19 @@ def schedule_for(
         params=state.params,
         state_bytes=per_device_bytes(state),
         spec=ModelSpec.from_config(config.model, sharding.platform(mesh)),
-        rows=config.train.device_batch_size,
         hbm_bytes=hbm_bytes,
         fsdp=mesh.shape[FSDP],
+    )
+
+
+def compiled_peak_bytes(compiled: Any) -> float:
+    """A compiled program's peak memory per device: arguments + outputs - aliased + temps."""
+    m = compiled.memory_analysis()
+    return float(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
     )
 
 

@@ -275,11 +275,7 @@ class Trainer:
         self.stop = stop
         self.streams = config_dict["train"]["data_streams"]
         self.graphdef, self.fresh_state, shardings, tx = create_train_state(config, plan, mesh)
-        schedule = fsdp.schedule_for(config, mesh, self.fresh_state, fsdp.device_memory_bytes(mesh))
-        log.info("%s", schedule.describe())
-        self.train_step = make_train_step(
-            self.graphdef, tx, shardings, mesh, config.train.fault_nonfinite_step, schedule
-        )
+        self.train_step = self.fitting_train_step(tx, shardings)
         self.eval_step = make_eval_step(self.graphdef, shardings, mesh)
         self.token_bytes = jax.device_put(
             jnp.asarray(tokenizer.token_bytes()), sharding.replicated(mesh)
@@ -293,6 +289,35 @@ class Trainer:
         self.profiler = Profiler(workdir, t.profile_start_step, t.profile_num_steps, t.dump_hlo)
         self.throughput = Throughput(plan.total_batch_tokens, plan.flops_per_token)
         self.first_step = 0  # of this invocation, set by `train`
+
+    def fitting_train_step(self, tx: Any, shardings: TrainState) -> Any:
+        """The jitted train step with the schedule that fits this run's devices (fsdp.py): on
+        an accelerator with train.remat=auto, compiled once without recomputation to see its
+        peak memory (and once more with it where that does not fit), then logged."""
+        config, mesh, layout = self.config, self.mesh, self.layout
+        memory = fsdp.device_memory_bytes(mesh)
+
+        def step_with(schedule: fsdp.StepSchedule) -> Any:
+            fault = config.train.fault_nonfinite_step
+            return make_train_step(self.graphdef, tx, shardings, mesh, fault, schedule)
+
+        def peak_bytes(schedule: fsdp.StepSchedule) -> float:
+            batch = jax.ShapeDtypeStruct(
+                (layout.accum, layout.micro_rows, config.model.seq_len),
+                jnp.int32,
+                sharding=sharding.batch_sharding(mesh, leading=1),
+            )
+            state = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                self.fresh_state,
+            )
+            lowered = step_with(schedule).lower(state, {"inputs": batch, "targets": batch})
+            return fsdp.compiled_peak_bytes(lowered.compile())
+
+        schedule = fsdp.schedule_for(config, mesh, self.fresh_state, memory)
+        schedule = fsdp.fit_remat(schedule, config.train.remat, memory, peak_bytes)
+        log.info("%s", schedule.describe())
+        return step_with(schedule)
 
     def close(self) -> None:
         self.checkpoints.close()
