@@ -113,7 +113,7 @@ def test_decode_engine_compiles_for_the_target(report):
 def test_interpreted_kernels_are_detected():
     """The same kernel compiled for this host's CPUs runs interpreted: its math is XLA dots."""
     mesh = sharding.make_mesh(tiny_tpu_config().mesh, jax.devices()[:4])
-    spec = jax.sharding.PartitionSpec(splash.BATCH_AXES, None, splash.HEAD_AXIS)
+    spec = jax.sharding.PartitionSpec(sharding.BATCH_AXES, None, "tensor")
     q = jax.ShapeDtypeStruct((2, SEQ, 2, 32), jnp.float32, sharding=mesh_sharding(mesh, spec))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         lowered = jax.jit(lambda q: splash.attention(q, q, q, window=8)).lower(q)

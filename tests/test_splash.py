@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from helpers import randomize, tiny_config, tiny_model, tokens
 
+from bov_jax import sharding
 from bov_jax.model import layers, spec, splash
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -90,7 +91,7 @@ def test_sharded_splash_matches_xla_under_a_mesh():
     """Under an ambient mesh, each device runs the kernel on its rows and heads."""
     mesh = jax.make_mesh(
         (2, 1, 2),
-        splash.BATCH_AXES + (splash.HEAD_AXIS,),
+        sharding.MESH_AXES,
         axis_types=(jax.sharding.AxisType.Auto,) * 3,
         devices=jax.devices()[:4],
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +47,11 @@ def layer_mask(seq: int, window: int) -> masks.Mask:
 
 @functools.lru_cache(maxsize=64)
 def make_kernel(
-    seq: int, heads: int, window: int, block: int, interpret: bool
+    seq: int, heads: int, window: int, block: int, interpret: bool, mesh: Any = None
 ) -> kernel.SplashAttentionKernel:
-    """A multi-head splash kernel (forward and backward) for one layer shape, cached.
+    """A multi-head splash kernel (forward and backward) for one layer shape, cached per
+    ambient mesh (`mesh`: its mask tables carry the mesh they were made under, and a kernel
+    made under one mesh refuses to run under another).
 
     Its mask tables are built as concrete arrays even when first asked for inside a jit
     trace, so the cached kernel never holds a tracer.
@@ -85,7 +88,8 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int, block: int | 
     if padded % block:
         raise ValueError(f"splash block {block} does not divide the padded length {padded}")
     interpret = kernel_platform() != "tpu"
-    splash = make_kernel(padded, heads, window, block, interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    splash = make_kernel(padded, heads, window, block, interpret, None if mesh.empty else mesh)
 
     def heads_major(x: jax.Array) -> jax.Array:  # (B, T, H, hd) -> (B, H, T_pad, hd)
         return jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
