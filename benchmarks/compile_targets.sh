@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=docs/results/targets
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 DP="--config.mesh.fsdp=1"
 FS="--config.mesh.data=1 --config.mesh.fsdp=8"
 # name | python (tpu or gpu) | compile flags

@@ -15,6 +15,7 @@ import re
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_collections
 from absl import flags
@@ -573,6 +574,28 @@ def _line_in(err: BaseException, path: Path) -> str:
     return f", line {lines[-1]}" if lines else ""
 
 
+def load_python_file(path: str | Path, what: str) -> Any:
+    """Import a user's Python file (a config or sweep file) as a module; a missing file, a
+    syntax error or an exception while importing it (a missing module) is one ConfigError
+    naming `what` and the file, and its line where there is one."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {path}: no such file")
+    module_spec = importlib.util.spec_from_file_location(f"bov_jax_user_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as err:
+        if err.filename and Path(err.filename).resolve() == path.resolve():
+            raise ConfigError(f"{what} {path}, line {err.lineno}: syntax error: {err.msg}") from err
+        raise ConfigError(f"{what} {path}{_line_in(err, path)}: {_cause(err)}") from err
+    except Exception as err:  # a user's file: name it and the cause, in one line
+        raise ConfigError(
+            f"{what} {path}{_line_in(err, path)} failed to load: {_cause(err)}"
+        ) from err
+    return module
+
+
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
     """The config of `spec`, 'path.py' or 'path.py:preset': the file's get_config(preset).
 
@@ -588,20 +611,7 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     path = Path(path_text)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found (--config={spec})")
-    module_spec = importlib.util.spec_from_file_location(f"bov_jax_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except SyntaxError as err:
-        if err.filename and Path(err.filename).resolve() == path.resolve():
-            raise ConfigError(
-                f"config file {path}, line {err.lineno}: syntax error: {err.msg}"
-            ) from err
-        raise ConfigError(f"config file {path}{_line_in(err, path)}: {_cause(err)}") from err
-    except Exception as err:  # a user's file: name it and the cause, in one line
-        raise ConfigError(
-            f"config file {path}{_line_in(err, path)} failed to load: {_cause(err)}"
-        ) from err
+    module = load_python_file(path, "config file")
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
         raise ConfigError(

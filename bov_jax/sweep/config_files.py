@@ -11,27 +11,11 @@ from __future__ import annotations
 
 import ast
 import difflib
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import ml_collections
 
 from bov_jax.errors import UserError
-
-
-def load_python_file(path: str | Path, what: str) -> Any:
-    """Import a Python file as a module; a missing or broken file is a UserError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{what} {path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"_bov_jax_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:  # a user file: report which one failed and why
-        raise UserError(f"{what} {path} failed to load: {type(err).__name__}: {err}") from err
-    return module
 
 
 def parse_value(text: str, default: Any) -> Any:

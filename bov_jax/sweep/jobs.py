@@ -34,10 +34,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bov_jax.config import load_config_file, validate_config
+from bov_jax.config import load_config_file, load_python_file, validate_config
 from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic, write_text_atomic
-from bov_jax.sweep.config_files import apply_override, load_python_file
+from bov_jax.sweep.config_files import apply_override
 from bov_jax.train import workdir_lock
 
 LAYOUTS = ("table1", "d24", "fig5b", "plain")

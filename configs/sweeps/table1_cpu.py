@@ -13,7 +13,7 @@ the ordering only: the scales differ by four orders of magnitude. The committed 
 
 from pathlib import Path
 
-from bov_jax.sweep.config_files import load_python_file
+from bov_jax.config import load_python_file
 from bov_jax.sweep.jobs import Run, Sweep
 
 table1 = load_python_file(Path(__file__).with_name("table1.py"), "sweep file")
