@@ -355,8 +355,14 @@ def sharded_gradients(
             return nnx.merge(graphdef, variables).loss(inputs_i, targets_i, run_block=run_block)
 
         loss, grads = accumulate(loss_of, variables, inputs, targets, shares, params)
-        reduced = jax.tree.map(lambda g, dim: reduce(g, dim, batch_axes), grads, dims)
-        if mode == "layer":  # the blocks' gradients left the gathers scattered over fsdp
+        if mode == "step":
+            reduced = jax.tree.map(lambda g, dim: reduce(g, dim, batch_axes), grads, dims)
+        else:  # the blocks' gradients left their gathers scattered over fsdp already
+            reduced = {
+                k: jax.tree.map(lambda g, dim: reduce(g, dim, batch_axes), grads[k], dims[k])
+                for k in grads
+                if k != "blocks"
+            }
             reduced["blocks"] = jax.tree.map(
                 lambda g, dim: reduce(g, -1, others if dim >= 0 else batch_axes),
                 grads["blocks"],
