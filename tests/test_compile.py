@@ -221,3 +221,36 @@ def test_command_line_help_and_bad_target():
     assert bad.returncode == 2
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: unknown --target=v5q-8; expected {targets.known_targets()}"]
+
+
+ON_CHIP_MODULE = """HloModule traffic
+
+%add_fusion (p0: f32[768,4096], p1: f32[768,4096]) -> f32[768,4096] {
+  %p0 = f32[768,4096]{1,0} parameter(0)
+  %p1 = f32[768,4096]{1,0} parameter(1)
+  ROOT %sum = f32[768,4096]{1,0} add(%p0, %p1)
+}
+
+ENTRY %main (w: bf16[768,768], g: f32[768,4096]) -> f32[768,4096] {
+  %w = bf16[768,768]{1,0:T(8,128)(2,1)} parameter(0)
+  %g = f32[768,4096]{1,0:T(8,128)} parameter(1)
+  %prefetch = (bf16[768,768]{1,0:T(8,128)(2,1)}, bf16[768,768]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%w)
+  %in_vmem = f32[768,4096]{1,0:T(8,128)S(1)} fusion(%g, %g), kind=kLoop, calls=%add_fusion
+  ROOT %in_hbm = f32[768,4096]{1,0:T(8,128)} fusion(%in_vmem, %g), kind=kLoop, calls=%add_fusion
+}
+"""
+
+
+def test_hbm_traffic_leaves_out_what_the_compiler_placed_on_chip():
+    """TPU layouts name a memory space: `S(1)` (VMEM) is on chip, not HBM traffic; a prefetch
+    into it reads its source from HBM once."""
+    module = hlo.parse(ON_CHIP_MODULE)
+    ops = {i.name: i for i in module.computations["main"]}
+    grad, weight = 4 * 768 * 4096, 2 * 768 * 768
+    assert hlo.op_traffic(module, ops["prefetch"], module.shapes) == weight
+    assert hlo.op_traffic(module, ops["in_vmem"], module.shapes) == 2 * grad  # reads g twice
+    assert hlo.op_traffic(module, ops["in_hbm"], module.shapes) == 2 * grad  # g in, result out
+    assert hlo.memory_traffic(module) == weight + 4 * grad
+    # The same program with everything in HBM: each array counts.
+    everywhere = hlo.parse(ON_CHIP_MODULE.replace("S(1)", ""))
+    assert hlo.memory_traffic(everywhere) == 2 * weight + 6 * grad

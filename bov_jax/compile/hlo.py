@@ -35,7 +35,9 @@ DTYPE_BYTES = {
     "u64": 8,
     "f64": 8,
 }
-ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([^\]]*)\]")
+ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([^\]]*)\](\{[^}]*\})?")
+# A layout's memory space other than 0 (TPU: S(1) on-chip VMEM, S(2) scalar memory) is not HBM.
+OFF_HBM = re.compile(r"S\([1-9]\d*\)")
 HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -70,12 +72,30 @@ class Module:
 
 def arrays(shape: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(dtype, dims) of every array in a shape text (a tuple gives several)."""
-    for dtype, dims in ARRAY.findall(shape):
+    for dtype, dims, _ in ARRAY.findall(shape):
         yield dtype, tuple(int(re.sub(r"\D", "", d)) for d in dims.split(",") if d.strip())
 
 
 def shape_bytes(shape: str) -> float:
     return sum(DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in arrays(shape))
+
+
+def placed_arrays(shape: str) -> list[tuple[float, bool]]:
+    """(bytes, in HBM) of every array in a shape text, in order: an array whose layout names
+    a memory space other than 0 (`S(1)`: TPU's on-chip VMEM) is not in HBM."""
+    return [
+        (
+            DTYPE_BYTES[dtype]
+            * math.prod(int(re.sub(r"\D", "", d)) for d in dims.split(",") if d.strip()),
+            not OFF_HBM.search(layout),
+        )
+        for dtype, dims, layout in ARRAY.findall(shape)
+    ]
+
+
+def hbm_bytes(shape: str) -> float:
+    """Bytes of a shape's arrays that sit in HBM (`placed_arrays`)."""
+    return sum(size for size, in_hbm in placed_arrays(shape) if in_hbm)
 
 
 def split_closing(text: str, start: int) -> int:
@@ -217,13 +237,21 @@ def fusion_root(module: Module, instruction: Instruction) -> str:
 
 
 def op_traffic(module: Module, instruction: Instruction, shapes: dict[str, str]) -> float:
-    """Bytes one op reads and writes in device memory. An update in place (a dynamic-update-
-    slice or a scatter, alone or at a fusion's root) moves its update, not the buffer it
-    writes into; a gather or dynamic-slice reads what it returns, not its whole operand; an
-    asynchronous op (`*-start`) moves its output once in and once out."""
-    operands = [shape_bytes(shapes.get(o, "")) for o in instruction.operands]
-    result = shape_bytes(instruction.shape)
+    """Bytes one op reads and writes in HBM. Arrays the compiler placed on chip (TPU's VMEM)
+    do not count. An update in place (a dynamic-update-slice or a scatter, alone or at a
+    fusion's root) moves its update, not the buffer it writes into; a gather or dynamic-slice
+    reads what it returns, not its whole operand; a copy between memory spaces (`copy-start`,
+    `slice-start`: a prefetch into VMEM or an eviction) moves its destination once per side
+    in HBM; another asynchronous op (`*-start`) moves its output once in and once out."""
+    operands = [hbm_bytes(shapes.get(o, "")) for o in instruction.operands]
+    result = hbm_bytes(instruction.shape)
     kind = instruction.opcode
+    if kind in ("copy-start", "slice-start"):  # result: (the source, the destination, context)
+        placed = placed_arrays(instruction.shape)
+        if len(placed) < 2:
+            return 0.0
+        (_, source_in_hbm), (size, destination_in_hbm) = placed[0], placed[1]
+        return size * (source_in_hbm + destination_in_hbm)
     if kind.endswith("-start"):  # async: its result holds the operands beside the output
         return 2.0 * max(0.0, result - sum(operands))
     if kind == "fusion":

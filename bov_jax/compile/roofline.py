@@ -6,8 +6,8 @@ trip counts) and the chip's published figures (CHIPS, with their sources):
   compute      the dots XLA compiled (`hlo.matmul_flops`), plus attention run inside kernels
                (splash, cuDNN: no dot XLA sees; the analytic count), over the dense bf16 peak;
   memory       the bytes the program's ops read and write in HBM (`hlo.memory_traffic`: each
-               op outside a fusion reads its operands and writes its result) over the HBM
-               bandwidth;
+               op outside a fusion reads its operands and writes its result; arrays TPU's
+               compiler placed in on-chip VMEM do not count) over the HBM bandwidth;
   collectives  the collectives' bytes (`hlo.collectives`) over the chip's link bandwidth in one
                direction: ICI for a TPU slice (every chip of a slice, multi-host ones too, is on
                ICI), NVLink within a GPU host, the network per GPU across GPU hosts.
