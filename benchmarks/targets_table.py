@@ -2,7 +2,8 @@
 
     python benchmarks/targets_table.py [REPORT.json ...]   # default: every report there
 
-One markdown row per report: config, target, mesh, rows x micro-batches, the schedule (fsdp
+One markdown row per report: the report's name (its JSON file, named for the config and any
+override, e.g. d32_bov_... for depth 32), target, mesh, rows x micro-batches, the schedule (fsdp
 gather, recomputation), peak memory against HBM, collectives per step per device (GiB, bytes
 per parameter, against the ideal), the step time's lower bound and what bounds it, the MFU
 ceiling it implies, and the compile's wall seconds (CPU seconds in parentheses).
@@ -16,7 +17,7 @@ from pathlib import Path
 
 REPORTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "targets"
 HEADER = (
-    "| config | target | mesh | rows x micro-batches | schedule | peak / HBM (GiB) | fits "
+    "| report | target | mesh | rows x micro-batches | schedule | peak / HBM (GiB) | fits "
     "| collectives per step per device | B / param (x ideal) | step >= (bound) "
     "| MFU ceiling | compile s |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -28,9 +29,8 @@ def mesh_text(mesh: dict) -> str:
     return ", ".join(parts) or "1 chip"
 
 
-def row(report: dict) -> str:
+def row(report: dict, name: str) -> str:
     train = report["steps"]["train"]
-    config = Path(report["config"]).stem
     rows = f"{report['device_batch_size']} x {report['micro_batches']}"
     if "find_rows" in report:
         tried = ", ".join(
@@ -41,7 +41,7 @@ def row(report: dict) -> str:
     if "compiler_refused" in train:
         peak = f"refused: {train['memory_gib']['peak']} GiB of temporaries"
         return (
-            f"| {config} | {report['target']} | {mesh_text(report['mesh'])} | {rows} | - "
+            f"| {name} | {report['target']} | {mesh_text(report['mesh'])} | {rows} | - "
             f"| {peak} / {report['hbm_gib']} | no | - | - | - | - "
             f"| {train['compile_seconds']:.0f} ({train['compile_cpu_seconds']:.0f}) |"
         )
@@ -63,7 +63,7 @@ def row(report: dict) -> str:
     prediction = train["prediction"]
     bound = f"{prediction['step_seconds_lower_bound'] * 1e3:,.0f} ms ({prediction['bound_by']})"
     return (
-        f"| {config} | {report['target']} | {mesh_text(report['mesh'])} | {rows} | {plan} "
+        f"| {name} | {report['target']} | {mesh_text(report['mesh'])} | {rows} | {plan} "
         f"| {train['memory_gib']['peak']:.2f} / {report['hbm_gib']} "
         f"| {'yes' if train['fits'] else 'no'} | {collectives} GiB | {per_param} | {bound} "
         f"| {prediction['mfu_ceiling']:.1%} "
@@ -75,7 +75,7 @@ def main(paths: list[str]) -> None:
     files = [Path(p) for p in paths] or sorted(REPORTS.glob("*.json"))
     print(HEADER)
     for path in files:
-        print(row(json.loads(path.read_text())))
+        print(row(json.loads(path.read_text()), path.stem))
 
 
 if __name__ == "__main__":

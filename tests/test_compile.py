@@ -232,9 +232,9 @@ ON_CHIP_MODULE = """HloModule traffic
 }
 
 ENTRY %main (w: bf16[768,768], g: f32[768,4096]) -> f32[768,4096] {
-  %w = bf16[768,768]{1,0:T(8,128)(2,1)} parameter(0)
+  %w = bf16[768,768]{1,0:T(8,128)} parameter(0)
   %g = f32[768,4096]{1,0:T(8,128)} parameter(1)
-  %prefetch = (bf16[768,768]{1,0:T(8,128)(2,1)}, bf16[768,768]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%w)
+  %pre = (bf16[768,768]{1,0:T(8,128)}, bf16[768,768]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) copy-start(%w)
   %in_vmem = f32[768,4096]{1,0:T(8,128)S(1)} fusion(%g, %g), kind=kLoop, calls=%add_fusion
   ROOT %in_hbm = f32[768,4096]{1,0:T(8,128)} fusion(%in_vmem, %g), kind=kLoop, calls=%add_fusion
 }
@@ -247,7 +247,7 @@ def test_hbm_traffic_leaves_out_what_the_compiler_placed_on_chip():
     module = hlo.parse(ON_CHIP_MODULE)
     ops = {i.name: i for i in module.computations["main"]}
     grad, weight = 4 * 768 * 4096, 2 * 768 * 768
-    assert hlo.op_traffic(module, ops["prefetch"], module.shapes) == weight
+    assert hlo.op_traffic(module, ops["pre"], module.shapes) == weight
     assert hlo.op_traffic(module, ops["in_vmem"], module.shapes) == 2 * grad  # reads g twice
     assert hlo.op_traffic(module, ops["in_hbm"], module.shapes) == 2 * grad  # g in, result out
     assert hlo.memory_traffic(module) == weight + 4 * grad

@@ -41,7 +41,6 @@ from bov_jax.train.step import make_eval_step, make_train_step
 
 GIB = 2**30
 STEPS = ("train", "eval", "prefill", "decode")
-MICRO_BATCH_SCAN = "while/body/"  # in the op_name of the micro-batch scan's ops
 TOP_SOURCES = 8  # collective sources listed per step
 DECODE_PROMPT = 8  # tokens of the prompt a decode is compiled for (one row, as main samples)
 
@@ -325,7 +324,7 @@ def train_flops(setup: Setup, layout: BatchLayout, module: hlo.Module) -> dict[s
     in_kernels = spec.attention_impl in ("splash", "cudnn")
     comparable = matmul + (0 if in_kernels else xla_attention_flops_per_token(spec) * tokens)
     xla = hlo.matmul_flops(module) * setup.mesh.size
-    model = hlo.matmul_flops(module, traced_in=MICRO_BATCH_SCAN) * setup.mesh.size
+    model = hlo.matmul_flops(module, traced_in=f"/{fsdp.MICRO_BATCH_SCOPE}/") * setup.mesh.size
     return {
         "xla_per_step": xla,
         "xla_model_per_step": model,

@@ -349,8 +349,8 @@ def op_name(instruction: Instruction) -> str:
 
 def matmul_flops(module: Module, traced_in: str = "") -> float:
     """2 x multiply-adds of every dot and convolution, per step, per device; with
-    `traced_in`, only those whose op_name contains it (e.g. "/while/body/": traced inside a
-    lax.scan, whether or not XLA kept the loop)."""
+    `traced_in`, only those whose op_name contains it (e.g. "/micro_batch/": traced inside
+    that name scope, whatever XLA made of the loops around it)."""
     shapes = module.shapes
     total = 0.0
     for instruction, times in weighted(module):

@@ -53,6 +53,7 @@ FIT_SHARE_OF_HBM = 0.9  # of the chip's memory: beyond it the blocks are recompu
 FSDP = "fsdp"
 GATHERED = "fsdp_gathered"  # checkpoint_name of a block's gathered weights (layer)
 GIB = 2**30
+MICRO_BATCH_SCOPE = "micro_batch"  # the name scope of each micro-batch's forward and backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,12 +263,16 @@ def accumulate(
 
     def micro_step(grad_sum, batch):
         inputs_i, targets_i, share = batch
-        loss, grads = jax.value_and_grad(lambda v: loss_of(v, inputs_i, targets_i) * share)(
-            variables
-        )
-        return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
+        with jax.named_scope(MICRO_BATCH_SCOPE):
+            loss, grads = jax.value_and_grad(lambda v: loss_of(v, inputs_i, targets_i) * share)(
+                variables
+            )
+            return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
 
     zeros = jax.tree.map(lambda v, p: jnp.zeros(v.shape, p.dtype), variables, params)
+    if inputs.shape[0] == 1:  # no loop: XLA TPU ran a 1-trip scan's forward twice
+        grad_sum, loss = micro_step(zeros, (inputs[0], targets[0], shares[0]))
+        return loss, grad_sum
     grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets, shares))
     return losses.sum(), grad_sum
 
