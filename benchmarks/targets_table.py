@@ -49,23 +49,23 @@ def row(report: dict, name: str) -> str:
     plan = f"{schedule['gather']}" + (", remat" if schedule["remat"] else "")
     if report["mesh"].get("fsdp", 1) == 1:
         plan = "data" + (", remat" if schedule["remat"] else "")
-    collectives = (
-        ", ".join(
-            f"{kind} {c['count']:.0f}x {c['bytes'] / 2**30:.2f}"
-            for kind, c in train["collectives"].items()
-        )
-        or "none"
+    collectives = ", ".join(
+        f"{kind} {c['count']:.0f}x {c['bytes'] / 2**30:.2f}"
+        for kind, c in train["collectives"].items()
     )
+    collectives = f"{collectives} GiB" if collectives else "none"
     ratio = train["collectives_over_ideal"]
     per_param = f"{train['collective_bytes_per_parameter']:.1f}" + (
         f" ({ratio:.2f}x)" if ratio else ""
     )
     prediction = train["prediction"]
-    bound = f"{prediction['step_seconds_lower_bound'] * 1e3:,.0f} ms ({prediction['bound_by']})"
+    ms = prediction["step_seconds_lower_bound"] * 1e3
+    bound = f"{ms:,.0f}" if ms >= 10 else f"{ms:.2f}"
+    bound += f" ms ({prediction['bound_by']})"
     return (
         f"| {name} | {report['target']} | {mesh_text(report['mesh'])} | {rows} | {plan} "
         f"| {train['memory_gib']['peak']:.2f} / {report['hbm_gib']} "
-        f"| {'yes' if train['fits'] else 'no'} | {collectives} GiB | {per_param} | {bound} "
+        f"| {'yes' if train['fits'] else 'no'} | {collectives} | {per_param} | {bound} "
         f"| {prediction['mfu_ceiling']:.1%} "
         f"| {train['compile_seconds']:.0f} ({train['compile_cpu_seconds']:.0f}) |"
     )
