@@ -313,7 +313,7 @@ def train_flops(setup: Setup, layout: BatchLayout, module: hlo.Module) -> dict[s
     """The step's FLOPs: XLA's (dots and convolutions of the compiled program, loop trip
     counts applied, summed over the chips) against bov_jax.accounting's analytic count.
 
-    The model's share is what was traced inside the micro-batch scan (forward, backward and
+    The model's share is what was traced in `fsdp.MICRO_BATCH_SCOPE` (forward, backward and
     loss); the rest is the optimizer's (Muon's orthogonalisation, replicated on every chip).
     Attention inside kernels (splash, cuDNN) is not a dot XLA sees; so the comparable analytic
     figure is the matmul part plus, for XLA attention only, the scores it computes
