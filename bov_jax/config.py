@@ -167,7 +167,8 @@ def default_config() -> ml_collections.ConfigDict:
     mesh.tensor = 1
     # When an fsdp mesh gathers the weights and reduces the gradients (bov_jax/train/fsdp.py):
     # "step" (once per step), "layer" (per block and micro-batch, for models whose compute
-    # copy does not fit) or "auto" (step where it fits in half of the chip's memory).
+    # copy does not fit) or "auto" (step where the state and the step's copy, accumulator and
+    # gradients fit in 65% of the chip's memory: fsdp.STEP_SHARE_OF_HBM).
     mesh.fsdp_gather = "auto"
 
     ck = c.checkpoint = ml_collections.ConfigDict()
@@ -501,15 +502,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     given = key_paths(config)
     check_keys(given, key_paths(default_config()))
     check_ranges(given)
-    if given["train.remat"] not in REMAT_MODES:
-        raise ConfigError(
-            f"train.remat={given['train.remat']!r}; expected one of " + ", ".join(REMAT_MODES)
-        )
-    if given["mesh.fsdp_gather"] not in FSDP_GATHER_MODES:
-        raise ConfigError(
-            f"mesh.fsdp_gather={given['mesh.fsdp_gather']!r}; expected one of "
-            + ", ".join(FSDP_GATHER_MODES)
-        )
+    for key, choices in (("train.remat", REMAT_MODES), ("mesh.fsdp_gather", FSDP_GATHER_MODES)):
+        if given[key] not in choices:
+            raise ConfigError(f"{key}={given[key]!r}; expected one of " + ", ".join(choices))
     for key in config.checkpoint.allow_changes.split(","):
         if key.strip() and key.strip() not in given:
             close = difflib.get_close_matches(key.strip(), list(given), n=1)

@@ -83,12 +83,24 @@ def logical_to_mesh(logical: PartitionSpec | tuple | None) -> PartitionSpec:
     return PartitionSpec(*(RULES.get(name) if name else None for name in logical))
 
 
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None, an axis name, or a tuple of them."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def split_dim(spec: PartitionSpec, axis: str = "fsdp") -> int:
+    """The dimension a mesh spec splits over `axis`, -1 if none."""
+    for i, entry in enumerate(spec):
+        if axis in entry_axes(entry):
+            return i
+    return -1
+
+
 def without_axes(spec: PartitionSpec, axes: Any) -> PartitionSpec:
     """`spec` with the mesh axes `axes` taken out (those entries replicated instead)."""
 
     def keep(entry: Any) -> Any:
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(name for name in names if name not in axes)
+        kept = tuple(name for name in entry_axes(entry) if name not in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return PartitionSpec(*(keep(entry) for entry in spec))
@@ -142,11 +154,7 @@ def ambient_batch_shards() -> int:
 def fsdp_dim(logical: PartitionSpec | tuple | None) -> int:
     """The dimension `RULES` splits over the fsdp axis in a parameter's logical spec, -1 if
     none: ('vocab', 'embed') -> 1, ('bank_vocab', 'kv') -> 0, (None,) -> -1."""
-    for i, entry in enumerate(logical_to_mesh(logical)):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if "fsdp" in names:
-            return i
-    return -1
+    return split_dim(logical_to_mesh(logical))
 
 
 def shardings_for(logical_specs: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -37,7 +37,7 @@ from bov_jax.train import fsdp
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.optim import param_labels
 from bov_jax.train.state import TrainState, train_state_init
-from bov_jax.train.step import make_eval_step, make_train_step
+from bov_jax.train.step import abstract_batch, make_eval_step, make_train_step
 
 GIB = 2**30
 STEPS = ("train", "eval", "prefill", "decode")
@@ -85,10 +85,8 @@ class Setup:
     def layout(self) -> BatchLayout:
         return BatchLayout.resolve(self.config, self.plan, self.mesh, self.processes)
 
-    def tokens(self, shape: tuple[int, ...], leading: int = 0) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(
-            shape, jnp.int32, sharding=sharding.batch_sharding(self.mesh, leading)
-        )
+    def tokens(self, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(self.mesh))
 
     def replicated(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated(self.mesh))
@@ -100,8 +98,8 @@ def lowered_train(setup: Setup, schedule: fsdp.StepSchedule) -> Any:
     step = make_train_step(
         setup.graphdef, setup.tx, setup.shardings, setup.mesh, fault_step, schedule
     )
-    batch = setup.tokens((layout.accum, layout.micro_rows, setup.spec.seq_len), leading=1)
-    return step.lower(setup.state, {"inputs": batch, "targets": batch})
+    batch = abstract_batch(setup.mesh, layout.accum, layout.micro_rows, setup.spec.seq_len)
+    return step.lower(setup.state, batch)
 
 
 def lowered_steps(setup: Setup, names: tuple[str, ...]) -> dict[str, Any]:
@@ -234,11 +232,10 @@ def ideal_collective_bytes(setup: Setup) -> float:
     dims = fsdp.fsdp_dims(setup.shardings.params)
     labels = param_labels(params)
     data, shards = setup.mesh.shape["data"], setup.mesh.shape["fsdp"]
-    compute = jnp.dtype(setup.spec.compute_dtype).itemsize
 
     def sized(path, x, dim, label):
         n = math.prod(x.shape)
-        gathered = compute if fsdp.gathers_in_compute_dtype(path) else x.dtype.itemsize
+        gathered = fsdp.transfer_dtype(path, x, setup.spec.compute_dtype).itemsize
         return (
             n,
             n * gathered if dim >= 0 else 0,
@@ -345,7 +342,6 @@ def train_report(setup: Setup, margin: float, hlo_dir: str | None = None) -> dic
 
     def peak_bytes(schedule: fsdp.StepSchedule) -> float:
         report = analyse(setup, "train", lowered_train(setup, schedule), margin, hlo_dir)
-        report["schedule"] = dataclasses.asdict(schedule)
         reports[schedule.remat] = report
         peak = report["memory_gib"]["peak"]
         return math.inf if peak is None else peak * GIB

@@ -70,10 +70,16 @@ class Module:
         return {i.name: i.shape for body in self.computations.values() for i in body}
 
 
+def laid_out_arrays(shape: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(dtype, dims, layout text or '') of every array in a shape text (a tuple gives several)."""
+    for dtype, dims, layout in ARRAY.findall(shape):
+        yield dtype, tuple(int(re.sub(r"\D", "", d)) for d in dims.split(",") if d.strip()), layout
+
+
 def arrays(shape: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(dtype, dims) of every array in a shape text (a tuple gives several)."""
-    for dtype, dims, _ in ARRAY.findall(shape):
-        yield dtype, tuple(int(re.sub(r"\D", "", d)) for d in dims.split(",") if d.strip())
+    for dtype, dims, _ in laid_out_arrays(shape):
+        yield dtype, dims
 
 
 def shape_bytes(shape: str) -> float:
@@ -84,12 +90,8 @@ def placed_arrays(shape: str) -> list[tuple[float, bool]]:
     """(bytes, in HBM) of every array in a shape text, in order: an array whose layout names
     a memory space other than 0 (`S(1)`: TPU's on-chip VMEM) is not in HBM."""
     return [
-        (
-            DTYPE_BYTES[dtype]
-            * math.prod(int(re.sub(r"\D", "", d)) for d in dims.split(",") if d.strip()),
-            not OFF_HBM.search(layout),
-        )
-        for dtype, dims, layout in ARRAY.findall(shape)
+        (DTYPE_BYTES[dtype] * math.prod(dims), not OFF_HBM.search(layout))
+        for dtype, dims, layout in laid_out_arrays(shape)
     ]
 
 

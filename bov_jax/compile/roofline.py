@@ -83,7 +83,8 @@ def predict(
     """The bounds (seconds per step), the largest, and the MFU ceiling it implies; per-device
     figures except `model_flops_per_step` (the analytic count over all chips)."""
     spec = CHIPS[chip]
-    link = spec.network_bandwidth if platform == "gpu" and hosts > 1 else spec.link_bandwidth
+    over_network = platform == "gpu" and hosts > 1
+    link = spec.network_bandwidth if over_network else spec.link_bandwidth
     bounds = {
         "compute": (matmul_flops + kernel_flops) / spec.peak_flops,
         "memory": traffic_bytes / spec.hbm_bandwidth,
@@ -98,5 +99,5 @@ def predict(
         "bound_by": slowest,
         "mfu_ceiling": round(model_flops_per_step / chips / spec.peak_flops / step, 4),
         "chip": dataclasses.asdict(spec) | {"name": chip},
-        "collectives_over": "the network" if link == spec.network_bandwidth else "chip links",
+        "collectives_over": "the network" if over_network else "chip links",
     }

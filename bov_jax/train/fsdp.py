@@ -74,9 +74,10 @@ class StepSchedule:
 PLAIN = StepSchedule(reason="gathered once per step, nothing recomputed")
 
 
-def gathers_in_compute_dtype(path: tuple) -> bool:
-    """Dense kernels (lm_head's too) travel in the compute dtype; tables and scalars as stored."""
-    return getattr(path[-1], "key", None) == "kernel"
+def transfer_dtype(path: tuple, x: Any, compute_dtype: Any) -> jnp.dtype:
+    """The dtype a parameter is gathered in: dense kernels (lm_head's too) in the compute
+    dtype, tables and scalars as stored."""
+    return jnp.dtype(compute_dtype if getattr(path[-1], "key", None) == "kernel" else x.dtype)
 
 
 def step_bytes(params: Any, compute_dtype: Any) -> int:
@@ -85,7 +86,7 @@ def step_bytes(params: Any, compute_dtype: Any) -> int:
     while they are added to it (the size of the compute copy)."""
 
     def one(path: tuple, x: Any) -> int:
-        copy = jnp.dtype(compute_dtype if gathers_in_compute_dtype(path) else x.dtype).itemsize
+        copy = transfer_dtype(path, x, compute_dtype).itemsize
         return math.prod(x.shape) * (2 * copy + jnp.dtype(x.dtype).itemsize)
 
     return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(one, params)))
@@ -193,15 +194,7 @@ def device_memory_bytes(mesh: jax.sharding.Mesh) -> int | None:
 
 def fsdp_dims(param_shardings: Any) -> Any:
     """Per parameter (a tree like params): the dimension split over the fsdp axis, -1 if none."""
-
-    def dim(named: jax.sharding.NamedSharding) -> int:
-        for i, entry in enumerate(named.spec):
-            names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-            if FSDP in names:
-                return i
-        return -1
-
-    return jax.tree.map(dim, param_shardings)
+    return jax.tree.map(lambda named: sharding.split_dim(named.spec, FSDP), param_shardings)
 
 
 def manual_spec(dim: int, ndim: int) -> PartitionSpec:
@@ -255,7 +248,9 @@ def accumulate(
     params: Any,
 ) -> tuple[jax.Array, Any]:
     """sum_i shares[i] * loss_of(variables, inputs[i], targets[i]) and its gradient, over the
-    micro-batches i of inputs, targets (accum, rows, T) in a `lax.scan`. Each gradient is
+    micro-batches i of inputs, targets (accum, rows, T): in a `lax.scan`, or one call where
+    there is one micro-batch (a 1-trip scan made XLA TPU run part of the forward twice). Each
+    micro-batch is traced in the name scope MICRO_BATCH_SCOPE. Each gradient is
     summed in its parameter's dtype (`params`: the stored parameters, a tree like variables):
     fp32 for fp32 parameters whatever the compute copy's dtype, bf16 for bf16 tables, as the
     reference sums .grad in the parameter's dtype (and as a full fp32 sum of d24's tables
@@ -270,7 +265,7 @@ def accumulate(
             return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
 
     zeros = jax.tree.map(lambda v, p: jnp.zeros(v.shape, p.dtype), variables, params)
-    if inputs.shape[0] == 1:  # no loop: XLA TPU ran a 1-trip scan's forward twice
+    if inputs.shape[0] == 1:
         grad_sum, loss = micro_step(zeros, (inputs[0], targets[0], shares[0]))
         return loss, grad_sum
     grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets, shares))
@@ -297,9 +292,9 @@ def block_runner(gather_dims: Callable[[nnx.State], Any] | None, compute_dtype: 
 
         def call(local: nnx.State, *args: Any) -> Any:
             def one(path: tuple, x: jax.Array, dim: int) -> jax.Array:
-                dtype = compute_dtype if gathers_in_compute_dtype(path) else x.dtype
+                dtype = transfer_dtype(path, x, compute_dtype)
                 return jax.ad_checkpoint.checkpoint_name(
-                    gather_reducing_fp32(x, dim, jnp.dtype(dtype)), GATHERED
+                    gather_reducing_fp32(x, dim, dtype), GATHERED
                 )
 
             whole = local if dims is None else jax.tree_util.tree_map_with_path(one, local, dims)
@@ -314,8 +309,7 @@ def gather_leaf(path: tuple, x: jax.Array, dim: int, compute_dtype: Any) -> jax.
     """One parameter of a compute copy gathered whole, in the compute dtype if it is a kernel,
     and returned in its own dtype (a dense kernel is already in the compute dtype; lm_head is
     differentiated as stored, the loss casting it at use)."""
-    dtype = compute_dtype if gathers_in_compute_dtype(path) else x.dtype
-    return gather(x, dim, dtype).astype(x.dtype)
+    return gather(x, dim, transfer_dtype(path, x, compute_dtype)).astype(x.dtype)
 
 
 def sharded_gradients(

@@ -57,7 +57,7 @@ from bov_jax.train.checkpoint import DATA_FILES, Checkpoints, abstract_like, loa
 from bov_jax.train.layout import BatchLayout
 from bov_jax.train.metrics import MetricsWriter, Throughput, log_line
 from bov_jax.train.state import TrainState, create_train_state
-from bov_jax.train.step import make_eval_step, make_train_step, on_mesh
+from bov_jax.train.step import abstract_batch, make_eval_step, make_train_step, on_mesh
 
 log = logging.getLogger("bov_jax")
 
@@ -302,16 +302,8 @@ class Trainer:
             return make_train_step(self.graphdef, tx, shardings, mesh, fault, schedule)
 
         def peak_bytes(schedule: fsdp.StepSchedule) -> float:
-            batch = jax.ShapeDtypeStruct(
-                (layout.accum, layout.micro_rows, config.model.seq_len),
-                jnp.int32,
-                sharding=sharding.batch_sharding(mesh, leading=1),
-            )
-            state = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                self.fresh_state,
-            )
-            lowered = step_with(schedule).lower(state, {"inputs": batch, "targets": batch})
+            batch = abstract_batch(mesh, layout.accum, layout.micro_rows, config.model.seq_len)
+            lowered = step_with(schedule).lower(abstract_like(self.fresh_state), batch)
             return fsdp.compiled_peak_bytes(lowered.compile())
 
         schedule = fsdp.schedule_for(config, mesh, self.fresh_state, memory)

@@ -124,6 +124,15 @@ def make_train_step(
     )
 
 
+def abstract_batch(mesh: jax.sharding.Mesh, accum: int, rows: int, seq_len: int) -> dict:
+    """The train step's batch as ShapeDtypeStructs, to lower it without data: {inputs,
+    targets} int32 (accum, rows per step, seq_len), split over the batch axes."""
+    tokens = jax.ShapeDtypeStruct(
+        (accum, rows, seq_len), jnp.int32, sharding=sharding.batch_sharding(mesh, leading=1)
+    )
+    return {"inputs": tokens, "targets": tokens}
+
+
 def make_step_halves(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
