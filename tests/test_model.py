@@ -50,7 +50,7 @@ def test_short_window_layer_ignores_tokens_beyond_its_window():
     assert attn.window == 8
     x = jax.random.normal(jax.random.key(0), (1, 40, 64))
     ctx = ValueContext(token_ids=tokens(1, 40), x0n=layers.rms_norm(x), v1=None)
-    cos, sin = layers.rotary_tables(jnp.arange(40), 32, 1e5)
+    cos, sin = layers.rotary_tables(40, 32, 1e5)
     base, _ = attn(x, ctx, cos, sin)
     moved, _ = attn(x.at[0, 10].add(1.0), ctx, cos, sin)
     diff = jnp.max(jnp.abs(base - moved), axis=-1)[0]
@@ -86,7 +86,7 @@ def _values_at_targets(model: GPT, ids: jax.Array) -> dict[int, jax.Array]:
     """Each target layer's value vectors (B, T, K), recomputed from the forward."""
     x = model.smear(model.embed(ids))
     ctx = ValueContext(token_ids=ids, x0n=layers.rms_norm(x), v1=None)
-    cos, sin = layers.rotary_tables(jnp.arange(ids.shape[1]), 32, 1e5)
+    cos, sin = layers.rotary_tables(ids.shape[1], 32, 1e5)
     out = {}
     for i, block in enumerate(model.blocks):
         if block.attn.value.is_target:
@@ -190,3 +190,26 @@ def test_init_statistics_follow_the_reference():
     assert abs(float(jnp.std(model.lm_head.kernel[...])) - 0.001) < 1e-4
     assert float(model.smear_lambda[0]) == 0.0
     assert float(model.blocks[8].attn.value.gamma[0]) == 1.0
+
+
+def test_rotary_tables_are_exact_constants_shared_by_forward_and_decode():
+    cos, sin = layers.rotary_tables(2048, 128, 1e5)
+    # the reference's fp32 angles t * inv_freq, inv_freq = 1 / base^(2j / hd); cos in fp64
+    inv_freq = 1 / np.float32(1e5) ** (np.arange(0, 128, 2, dtype=np.float32) / np.float32(128))
+    angles = (np.arange(2048, dtype=np.float32)[:, None] * inv_freq).astype(np.float64)
+    assert cos.shape == sin.shape == (2048, 64) and cos.dtype == np.float32
+    assert np.abs(cos - np.cos(angles)).max() < 1e-6
+    assert np.abs(sin - np.sin(angles)).max() < 1e-6
+    positions = jnp.array([[0, 5, 2047], [7, 8, 9]])
+    cos_at, sin_at = layers.rotary_at((cos, sin), positions)
+    np.testing.assert_array_equal(np.asarray(cos_at), cos[np.asarray(positions)])
+    np.testing.assert_array_equal(np.asarray(sin_at), sin[np.asarray(positions)])
+
+
+def test_compiled_forward_computes_no_cos_or_sin():
+    """The rotary tables are constants: no element of q or k recomputes a cosine."""
+    model = tiny_model("d12_bov", depth=4)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+    hlo = forward.lower(state, tokens(2, 32)).compile().as_text()
+    assert "cosine(" not in hlo and "sine(" not in hlo

@@ -162,7 +162,8 @@ def hidden_cached(model: GPT, tokens: jax.Array, cache: KVCache) -> tuple[jax.Ar
     if cache.token_ids is not None:
         cache = cache._replace(token_ids=_write(cache.token_ids, tokens, pos))
     ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
-    cos, sin = layers.rotary_tables(positions, spec.head_dim, spec.rope_base)
+    tables = layers.rotary_tables(cache.k[0].shape[1], spec.head_dim, spec.rope_base)
+    cos, sin = layers.rotary_at(tables, positions)
     modes = value_modes(spec)  # a layer's mode when its V slot is None
     ks, vs = [], []
     for i, block in enumerate(model.blocks):

@@ -287,9 +287,7 @@ class GPT(nnx.Module):
         step's per-layer gather of sharded weights, bov_jax/train/fsdp.py)."""
         x = residual(self.smear(self.embed(tokens)))
         ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
-        cos, sin = layers.rotary_tables(
-            jnp.arange(tokens.shape[1]), self.spec.head_dim, self.spec.rope_base
-        )
+        cos, sin = layers.rotary_tables(tokens.shape[1], self.spec.head_dim, self.spec.rope_base)
         run_block = run_block or (lambda block, *args: block(*args))
         for i, block in enumerate(self.blocks):
             x, v = run_block(block, x, ctx, cos, sin)
