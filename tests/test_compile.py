@@ -271,3 +271,48 @@ def test_hbm_traffic_leaves_out_what_the_compiler_placed_on_chip():
     # The same program with everything in HBM: each array counts.
     everywhere = hlo.parse(ON_CHIP_MODULE.replace("S(1)", ""))
     assert hlo.memory_traffic(everywhere) == 2 * weight + 6 * grad
+
+
+FUSED_GATHER_MODULE = """HloModule fused_gather
+
+%gather_sum (table: f32[1000,64], ids: s32[32,1]) -> f32[64] {
+  %table = f32[1000,64]{1,0} parameter(0)
+  %ids = s32[32,1]{1,0} parameter(1)
+  %rows = f32[32,64]{1,0} gather(%table, %ids), slice_sizes={1,64}
+  %zero = f32[] constant(0)
+  ROOT %sum = f32[64]{0} reduce(%rows, %zero), dimensions={0}, to_apply=%add
+}
+
+%gather_and_read (table: f32[1000,64], ids: s32[32,1]) -> (f32[32,64], f32[1000,64]) {
+  %table = f32[1000,64]{1,0} parameter(0)
+  %ids = s32[32,1]{1,0} parameter(1)
+  %rows = f32[32,64]{1,0} gather(%table, %ids), slice_sizes={1,64}
+  %twice = f32[1000,64]{1,0} add(%table, %table)
+  ROOT %both = (f32[32,64]{1,0}, f32[1000,64]{1,0}) tuple(%rows, %twice)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}
+
+ENTRY %main (table: f32[1000,64], ids: s32[32,1]) -> f32[64] {
+  %table = f32[1000,64]{1,0} parameter(0)
+  %ids = s32[32,1]{1,0} parameter(1)
+  %whole = (f32[32,64]{1,0}, f32[1000,64]{1,0}) fusion(%table, %ids), calls=%gather_and_read
+  ROOT %weighed = f32[64]{0} fusion(%table, %ids), calls=%gather_sum
+}
+"""
+
+
+def test_hbm_traffic_of_a_fusion_counts_the_rows_it_gathers_not_the_table():
+    """A table read only through a gather inside a fusion (a bank or an embedding lookup)
+    moves the rows gathered; read whole by another op of the fusion, it moves whole."""
+    module = hlo.parse(FUSED_GATHER_MODULE)
+    ops = {i.name: i for i in module.computations["main"]}
+    table, rows, ids, out = 4 * 1000 * 64, 4 * 32 * 64, 4 * 32, 4 * 64
+    assert hlo.fused_reads(module, ops["weighed"]) == {0: rows}
+    assert hlo.op_traffic(module, ops["weighed"], module.shapes) == rows + ids + out
+    assert hlo.fused_reads(module, ops["whole"]) == {}
+    assert hlo.op_traffic(module, ops["whole"], module.shapes) == table + ids + rows + table

@@ -238,13 +238,33 @@ def fusion_root(module: Module, instruction: Instruction) -> str:
     return body[-1].opcode if body else ""
 
 
+# Ops that read only the part of their first operand they return.
+PARTIAL_READS = ("dynamic-slice", "gather", "slice")
+
+
+def fused_reads(module: Module, instruction: Instruction) -> dict[int, float]:
+    """{operand index: bytes read} for a fusion's operands that its computation reads only
+    through ops that return part of them (a table or a cache indexed inside the fusion): the
+    sum of what those ops return, not the whole operand."""
+    called = re.search(r"calls=%?([\w.\-]+)", instruction.attributes)
+    body = module.computations.get(called[1], []) if called else []
+    parameters = {i.name: int(i.arguments) for i in body if i.opcode == "parameter"}
+    reads: dict[int, float] = {}
+    for name, index in parameters.items():
+        users = [i for i in body if name in i.operands]
+        if users and all(u.opcode in PARTIAL_READS and u.operands[0] == name for u in users):
+            reads[index] = sum(hbm_bytes(u.shape) for u in users)
+    return reads
+
+
 def op_traffic(module: Module, instruction: Instruction, shapes: dict[str, str]) -> float:
     """Bytes one op reads and writes in HBM. Arrays the compiler placed on chip (TPU's VMEM)
     do not count. An update in place (a dynamic-update-slice or a scatter, alone or at a
     fusion's root) moves its update, not the buffer it writes into; a gather or dynamic-slice
-    reads what it returns, not its whole operand; a copy between memory spaces (`copy-start`,
-    `slice-start`: a prefetch into VMEM or an eviction) moves its destination once per side
-    in HBM; another asynchronous op (`*-start`) moves its output once in and once out."""
+    reads what it returns, not its whole operand, also inside a fusion (`fused_reads`); a
+    copy between memory spaces (`copy-start`, `slice-start`: a prefetch into VMEM or an
+    eviction) moves its destination once per side in HBM; another asynchronous op
+    (`*-start`) moves its output once in and once out."""
     operands = [hbm_bytes(shapes.get(o, "")) for o in instruction.operands]
     result = hbm_bytes(instruction.shape)
     kind = instruction.opcode
@@ -258,10 +278,13 @@ def op_traffic(module: Module, instruction: Instruction, shapes: dict[str, str])
         return 2.0 * max(0.0, result - sum(operands))
     if kind == "fusion":
         kind = fusion_root(module, instruction) or kind
+        for index, read in fused_reads(module, instruction).items():
+            if index < len(operands):
+                operands[index] = min(operands[index], read)
     if kind in ("dynamic-update-slice", "scatter"):  # the largest operand is the buffer
         rest = sorted(operands)[:-1]
         return 2.0 * sum(rest)
-    if kind in ("dynamic-slice", "gather", "slice"):
+    if kind in PARTIAL_READS:
         return 2.0 * result
     return result + sum(operands)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bov_jax import sharding
-from bov_jax.model import splash
+from bov_jax.model import bank_gather, splash
 
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
 
@@ -214,9 +214,9 @@ def cached_table_attention(
     (rows, H * hd); ids: (B, S) int. Only the visible slots are read (`visible_slots`, a
     static count). The softmax weights come first; then each visible slot's row is read from
     the table where it is weighed: for one query per row (a decoding step) the weighted sum
-    is a multiply-and-reduce over the gathered rows, which XLA fuses with the gather, so the
-    rows are read once and never written out as values; for several queries (a prefill) an
-    einsum over the gathered rows. No V cache either way. Returns (B, Tq, H, hd), q's dtype.
+    of the gathered rows (`bank_gather.weighted_rows`: fused into one pass, the rows read
+    once and never written out as values); for several queries (a prefill) an einsum over
+    the gathered rows. No V cache either way. Returns (B, Tq, H, hd), q's dtype.
     """
     batch, slots, heads, head_dim = k.shape
     first, count = visible_slots(q_positions, slots, window)
@@ -225,11 +225,11 @@ def cached_table_attention(
     logits = logits / jnp.sqrt(jnp.float32(head_dim))
     mask = cache_mask(q_positions, count, k_length, window, first)[None, None]
     weights = jax.nn.softmax(logits, axis=-1, where=mask)  # (B, H, Tq, count) fp32
-    rows = jnp.take(table, ids, axis=0).reshape(batch, count, heads, head_dim)
     if q.shape[1] == 1:
-        w = jnp.swapaxes(weights[:, :, 0], 1, 2)[..., None]  # (B, count, H, 1)
-        y = jnp.sum(w * rows.astype(jnp.float32), axis=1)[:, None]  # (B, 1, H, hd)
+        w = jnp.swapaxes(weights[:, :, 0], 1, 2)  # (B, count, H)
+        y = bank_gather.weighted_rows(w, ids, table, heads)[:, None]
     else:
+        rows = jnp.take(table, ids, axis=0).reshape(batch, count, heads, head_dim)
         y = jnp.einsum(
             "bhqs,bshd->bqhd",
             weights.astype(q.dtype),
