@@ -85,14 +85,14 @@ def compiled_text(spec: ModelSpec, context: int, eliminate_bank_v: bool, device)
 
 
 def kernel_traffic(instruction: hlo.Instruction, shapes: dict[str, str]) -> float:
-    """The bank kernel's bytes: its weights and ids, the rows it gathers (batch x padded
-    slots x table width) and its output; not the whole table."""
-    weights, ids, table = (shapes[name] for name in instruction.operands)
-    _, (batch, slots) = next(hlo.arrays(ids))
+    """The bank kernel's bytes: its weights, the window of ids and the table rows it gathers
+    (batch x visible slots x table width), its output; not the whole ids and table."""
+    weights, _, _, table = (shapes[name] for name in instruction.operands)
+    _, (batch, slots, _) = next(hlo.arrays(weights))
     dtype, (_, width) = next(hlo.arrays(table))
     rows = batch * slots * width * hlo.DTYPE_BYTES[dtype]
-    small = (weights, ids, instruction.shape)
-    return rows + sum(hlo.shape_bytes(shape) for shape in small)
+    ids = batch * slots * hlo.DTYPE_BYTES["s32"]
+    return hlo.shape_bytes(weights) + ids + rows + hlo.shape_bytes(instruction.shape)
 
 
 def step_cost(text: str) -> tuple[int, int, float]:

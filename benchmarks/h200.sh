@@ -11,7 +11,8 @@
 #           (time by category and named scope). At most 150 + 270 s.
 #   d12|d24 that pair alone (a rerun).
 #   flags   the d12 pair without the XLA flags (BOV_XLA_GPU_FLAGS=0), steps only: at most 120 s.
-#   decode  d24 decoding at batch 8, baseline vs BoV with and without the V cache: at most 300 s.
+#   decode  d24 decoding at batch 8, baseline vs BoV with and without the V cache, with the
+#           bank kernel and with XLA ops in its place: at most 480 s (66 s each at 49cab77).
 #   rows    the micro-batch size: both pairs at 4 micro-batches of 2x and 4x their default rows
 #           per device, steps only (tokens/s and peak memory against the default run's):
 #           at most 540 s.
@@ -35,10 +36,14 @@ bench() {  # name, timeout, configs, device batch, extra flags...
       --json_out="$OUT/train_$name.json" "$@" 2>&1 | grep -v "^W[0-9]" | tee "$OUT/train_$name.log"
   return "${PIPESTATUS[0]}"
 }
-decode() {  # d24 decode at batch 8: baseline vs BoV with and without the V cache
-  timeout 300 python3 -m bov_jax.bench_decode --baseline=d24 --bov=d24_bov --depth=24 \
-      --model_dim=1536 --head_dim=128 --vocab_size=32768 --dtype=bfloat16 --batch=8 \
-      --contexts=2048,32768 --new_tokens=64 2>&1 | grep -v "^W[0-9]" | tee "$OUT/decode_d24.log"
+decode() {  # d24 decode at batch 8: baseline vs BoV with and without the V cache; the bank
+  # kernel (bov_jax/model/bank_gather.py), then XLA ops in its place (BOV_BANK_KERNEL=0)
+  for kernel in 1 0; do
+    BOV_BANK_KERNEL=$kernel timeout 240 python3 -m bov_jax.bench_decode --baseline=d24 \
+        --bov=d24_bov --depth=24 --model_dim=1536 --head_dim=128 --vocab_size=32768 \
+        --dtype=bfloat16 --batch=8 --contexts=2048,32768 --new_tokens=64 2>&1 \
+        | grep -v "^W[0-9]" | tee "$OUT/decode_d24_bank_kernel$kernel.log"
+  done
 }
 only=${1:-}
 if [ "$only" = decode ]; then decode; exit; fi

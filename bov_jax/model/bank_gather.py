@@ -1,4 +1,4 @@
-"""A decoding step's bank values: y[b, h] = sum_s w[b, s, h] * E[ids[b, s], head h's columns].
+"""A decoding step's bank values: y[b, h] = sum_s w[b, s, h] * E[ids[b, first + s], head h].
 
 A BoV layer without a V cache weighs, at each decoding step, the bank rows of the tokens its
 window sees. In XLA ops (`weighted_rows_xla`) that is a gather and a multiply-and-reduce over
@@ -6,16 +6,20 @@ the gathered rows. XLA on CPUs fuses the two. XLA on GPUs does not: it writes th
 rows out, transposed so that the reduction runs along the minor axis, and a second kernel
 reads them back. That moves three times the bytes a V cache read moves: for d24's decoding
 loop compiled for an H200 at batch 8, 336 MiB a step beyond the V-cache model's ~2.6 GiB
-(benchmarks/decode_aot.py). `weighted_rows_kernel` is a Pallas (Triton) kernel that reads each
-row once, where it is weighed. `weighted_rows` picks one of the two per platform when it is
-lowered (jax.lax.platform_dependent): the kernel on NVIDIA GPUs, XLA ops elsewhere.
+(benchmarks/decode_aot.py, docs/benchmarks.md). `weighted_rows_kernel` is a Pallas (Triton)
+kernel that reads each row once, where it is weighed. `weighted_rows` picks one of the two
+per platform when it is lowered (jax.lax.platform_dependent): the kernel on NVIDIA GPUs, XLA
+ops elsewhere, and everywhere when the environment sets BOV_BANK_KERNEL=0 (benchmarks/h200.sh
+measures both).
 
-Shapes: B rows, H heads, C visible slots, hd head width, table (R, H * hd).
+Shapes: B rows, H heads, S cache slots, C visible slots (from `first`), hd head width,
+table (R, H * hd).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,61 +34,92 @@ SLOT_BLOCK = 64  # slots the kernel gathers and weighs per iteration
 
 
 def weighted_rows_xla(
-    weights: jax.Array, ids: jax.Array, table: jax.Array, heads: int
+    weights: jax.Array,
+    ids: jax.Array,
+    first: jax.Array,
+    table: jax.Array,
+    *,
+    heads: int,
+    dtype: jnp.dtype,
 ) -> jax.Array:
-    """The sum in XLA ops. weights (B, C, H) fp32, ids (B, C) int -> (B, H, hd) fp32."""
+    """The sum in XLA ops. weights (B, C, H) fp32, ids (B, S) int, first () int: the slot of
+    weights[:, 0] -> (B, H, hd) in dtype, summed in fp32."""
     batch, slots, _ = weights.shape
-    rows = jnp.take(table, ids, axis=0).reshape(batch, slots, heads, -1)
-    return jnp.sum(weights[..., None] * rows.astype(jnp.float32), axis=1)
+    window = jax.lax.dynamic_slice_in_dim(ids, first, slots, axis=1)
+    rows = jnp.take(table, window, axis=0).reshape(batch, slots, heads, -1)
+    return jnp.sum(weights[..., None] * rows.astype(jnp.float32), axis=1).astype(dtype)
 
 
 def weighted_rows_kernel(
-    weights: jax.Array, ids: jax.Array, table: jax.Array, heads: int, interpret: bool = False
+    weights: jax.Array,
+    ids: jax.Array,
+    first: jax.Array,
+    table: jax.Array,
+    *,
+    heads: int,
+    dtype: jnp.dtype,
+    interpret: bool = False,
 ) -> jax.Array:
     """The sum as one Pallas kernel, a program per (row, head): SLOT_BLOCK slots at a time it
-    loads their ids, gathers head h's columns of their table rows and adds the weighed rows
-    to an fp32 accumulator. weights (B, C, H) fp32, ids (B, C) int -> (B, H, hd) fp32; hd a
-    power of two. C is padded to a multiple of SLOT_BLOCK with weight 0 (row 0 is read).
+    loads their weights and ids, gathers head h's columns of their table rows and adds the
+    weighed rows to an fp32 accumulator; loads past the last slot are masked off. Arguments
+    and result as `weighted_rows_xla`'s; hd a power of two, first + C <= S.
     `interpret`: Pallas interpret mode (any platform; for tests)."""
     batch, slots, _ = weights.shape
     head_dim = table.shape[1] // heads
-    padded = -(-slots // SLOT_BLOCK) * SLOT_BLOCK
-    weights = jnp.pad(weights, ((0, 0), (0, padded - slots), (0, 0)))
-    ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, padded - slots)))
 
-    def kernel(w_ref, ids_ref, table_ref, out_ref):  # w (1, Cp, 1), ids (1, Cp), out (1, 1, hd)
-        columns = pl.program_id(1) * head_dim + jnp.arange(head_dim)
+    def kernel(w_ref, ids_ref, first_ref, table_ref, out_ref):  # whole inputs; out (1, 1, hd)
+        row, head = pl.program_id(0), pl.program_id(1)
+        columns = head * head_dim + jnp.arange(head_dim)
+        start = first_ref[0]
 
         def add_block(i: jax.Array, total: jax.Array) -> jax.Array:
-            block = pl.ds(pl.multiple_of(i * SLOT_BLOCK, SLOT_BLOCK), SLOT_BLOCK)
-            rows = table_ref[ids_ref[0, block][:, None], columns[None, :]]
-            return total + jnp.sum(w_ref[0, block, 0][:, None] * rows.astype(jnp.float32), 0)
+            offset = pl.multiple_of(i * SLOT_BLOCK, SLOT_BLOCK)
+            valid = offset + jnp.arange(SLOT_BLOCK) < slots
+            w = pallas_triton.load(
+                w_ref.at[row, pl.ds(offset, SLOT_BLOCK), head], mask=valid, other=0.0
+            )
+            index = pallas_triton.load(
+                ids_ref.at[row, pl.ds(start + offset, SLOT_BLOCK)], mask=valid, other=0
+            )
+            cells = table_ref.at[index[:, None], columns[None, :]]
+            rows = pallas_triton.load(cells, mask=valid[:, None], other=0)
+            return total + jnp.sum(w[:, None] * rows.astype(jnp.float32), axis=0)
 
         zero = jnp.zeros((head_dim,), jnp.float32)
-        out_ref[0, 0, :] = jax.lax.fori_loop(0, padded // SLOT_BLOCK, add_block, zero)
+        total = jax.lax.fori_loop(0, pl.cdiv(slots, SLOT_BLOCK), add_block, zero)
+        out_ref[0, 0, :] = total.astype(out_ref.dtype)
 
+    whole = pl.BlockSpec(memory_space=pl.ANY)  # indexed in the kernel
     return pl.pallas_call(
         kernel,
         grid=(batch, heads),
-        in_specs=[
-            pl.BlockSpec((1, padded, 1), lambda b, h: (b, 0, h)),
-            pl.BlockSpec((1, padded), lambda b, h: (b, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),  # the whole table; rows are gathered
-        ],
+        in_specs=[whole] * 4,
         out_specs=pl.BlockSpec((1, 1, head_dim), lambda b, h: (b, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, heads, head_dim), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, head_dim), dtype),
         compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
-    )(weights, ids, table)
+    )(weights.astype(jnp.float32), ids.astype(jnp.int32), jnp.reshape(first, (1,)), table)
 
 
-def weighted_rows(weights: jax.Array, ids: jax.Array, table: jax.Array, heads: int) -> jax.Array:
+def weighted_rows(
+    weights: jax.Array,
+    ids: jax.Array,
+    first: jax.Array,
+    table: jax.Array,
+    *,
+    heads: int,
+    dtype: jnp.dtype,
+) -> jax.Array:
     """The sum, by the kernel where the program is lowered for NVIDIA GPUs (head width a power
-    of two, a jax with Pallas's Triton backend), else in XLA ops. weights (B, C, H) fp32,
-    ids (B, C) int -> (B, H, hd) fp32."""
-    xla = functools.partial(weighted_rows_xla, heads=heads)
+    of two, a jax with Pallas's Triton backend, BOV_BANK_KERNEL not 0), else in XLA ops.
+    weights (B, C, H) fp32, ids (B, S) int, first () int -> (B, H, hd) in dtype."""
+    options = dict(heads=heads, dtype=dtype)
+    xla = functools.partial(weighted_rows_xla, **options)
     head_dim = table.shape[1] // heads
-    if head_dim & (head_dim - 1) or pallas_triton is None:
-        return xla(weights, ids, table)
-    kernel = functools.partial(weighted_rows_kernel, heads=heads)
-    return jax.lax.platform_dependent(weights, ids, table, cuda=kernel, default=xla)
+    off = os.environ.get("BOV_BANK_KERNEL") == "0"
+    if off or head_dim & (head_dim - 1) or pallas_triton is None:
+        return xla(weights, ids, first, table)
+    kernel = functools.partial(weighted_rows_kernel, **options)
+    first = jnp.asarray(first, jnp.int32)
+    return jax.lax.platform_dependent(weights, ids, first, table, cuda=kernel, default=xla)

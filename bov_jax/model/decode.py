@@ -137,8 +137,10 @@ def _block(
     mask = dict(q_positions=positions, k_length=pos + x.shape[1], window=attn.window)
     if v is None and mode == BANK:  # V = coef * E_l[ids], gathered inside the attention
         table = attn.value.bank.embedding[...]
-        y = layers.cached_table_attention(q, k.astype(q.dtype), table, cache.token_ids, **mask)
-        y = attn.value.replace_coef() * y
+        coef = attn.value.replace_coef()
+        y = layers.cached_table_attention(
+            q, k.astype(q.dtype), table, cache.token_ids, **mask, scale=coef
+        )
     else:
         if v is None:  # V1: V = coef * layer 0's V cache
             v_all = attn.value.replace_coef() * v0

@@ -207,8 +207,9 @@ def cached_table_attention(
     q_positions: jax.Array,
     k_length: jax.Array,
     window: int,
+    scale: jax.Array | float = 1.0,
 ) -> jax.Array:
-    """`cached_attention` whose values are table rows: v[b, j] = table[ids[b, j]].
+    """`cached_attention` whose values are scaled table rows: v[b, j] = scale * table[ids[b, j]].
 
     q: (B, Tq, H, hd) at ascending positions q_positions (Tq,); k: (B, S, H, hd); table:
     (rows, H * hd); ids: (B, S) int. Only the visible slots are read (`visible_slots`, a
@@ -216,24 +217,25 @@ def cached_table_attention(
     the table where it is weighed: for one query per row (a decoding step) the weighted sum
     of the gathered rows (`bank_gather.weighted_rows`: fused into one pass, the rows read
     once and never written out as values); for several queries (a prefill) an einsum over
-    the gathered rows. No V cache either way. Returns (B, Tq, H, hd), q's dtype.
+    the gathered rows. No V cache either way. The scale multiplies the softmax weights, where
+    XLA fuses it. Returns (B, Tq, H, hd), q's dtype.
     """
     batch, slots, heads, head_dim = k.shape
     first, count = visible_slots(q_positions, slots, window)
-    k, ids = _windowed(k, first, count), _windowed(ids, first, count)
+    k = _windowed(k, first, count)
     logits = jnp.einsum("bqhd,bshd->bhqs", q, k, preferred_element_type=jnp.float32)
     logits = logits / jnp.sqrt(jnp.float32(head_dim))
     mask = cache_mask(q_positions, count, k_length, window, first)[None, None]
-    weights = jax.nn.softmax(logits, axis=-1, where=mask)  # (B, H, Tq, count) fp32
+    logits = jnp.where(mask, logits, -jnp.inf)  # each query sees at least its own slot
+    weights = jax.nn.softmax(logits, axis=-1) * scale  # (B, H, Tq, count) fp32
     if q.shape[1] == 1:
         w = jnp.swapaxes(weights[:, :, 0], 1, 2)  # (B, count, H)
-        y = bank_gather.weighted_rows(w, ids, table, heads)[:, None]
-    else:
-        rows = jnp.take(table, ids, axis=0).reshape(batch, count, heads, head_dim)
-        y = jnp.einsum(
-            "bhqs,bshd->bqhd",
-            weights.astype(q.dtype),
-            rows.astype(q.dtype),
-            preferred_element_type=jnp.float32,
-        )
+        return bank_gather.weighted_rows(w, ids, first, table, heads=heads, dtype=q.dtype)[:, None]
+    rows = jnp.take(table, _windowed(ids, first, count), axis=0)
+    y = jnp.einsum(
+        "bhqs,bshd->bqhd",
+        weights.astype(q.dtype),
+        rows.reshape(batch, count, heads, head_dim).astype(q.dtype),
+        preferred_element_type=jnp.float32,
+    )
     return y.astype(q.dtype)
