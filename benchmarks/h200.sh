@@ -8,7 +8,9 @@
 #           bov_jax/train/xla_flags.py: step time, the step's two halves (gradients,
 #           optimizer: tests/test_bench.py checks that they add up to the step), MFU,
 #           tokens/s, peak memory, BoV/baseline step ratio (interleaved); d24 BoV profiled
-#           (time by category and named scope). At most 150 + 270 s.
+#           (time by category and named scope, the shares attributed); a whole trace of one
+#           quickstart step kept in gpu_profile/ (the xplane and the step's HLO: a fixture for
+#           the profile's tests). At most 150 + 270 + 90 s.
 #   d12|d24 that pair alone (a rerun).
 #   flags   the d12 pair without the XLA flags (BOV_XLA_GPU_FLAGS=0), steps only: at most 120 s.
 #   decode  d24 decoding at batch 8, baseline vs BoV with and without the V cache, with the
@@ -67,3 +69,9 @@ if [ "$only" != d24 ]; then
 fi
 [ "$only" != d12 ] && bench d24 270 configs/d24.py,configs/d24_bov.py 8 --profile="$OUT/trace"
 rm -rf "$OUT/trace"  # the printed and JSON breakdowns are what comes back
+if [ -z "$only" ]; then  # a small trace, whole: bov_jax.bench.profile.trace_breakdown reads it
+  timeout 90 python3 -m bov_jax.bench train --configs=configs/quickstart.py --dtype=bfloat16 \
+      --attention="$attn" --max_micro_batches=1 --steps=1 --reps=1 --noparts \
+      --profile="$OUT/gpu_profile" 2>&1 | grep -v "^W[0-9]" | tee "$OUT/gpu_profile.log"
+  rm -f "$OUT"/gpu_profile/config0/plugins/profile/*/*.trace.json.gz  # the xplane holds it
+fi

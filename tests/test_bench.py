@@ -127,13 +127,64 @@ def test_profile_times_ops_by_category_and_scope(tmp_path):
         for _ in range(3):
             jax.block_until_ready(compiled(*args))
     hlo = compiled.as_text()
-    module = hlo.split(",", 1)[0].removeprefix("HloModule ").strip()
-    times = profile.op_times(str(tmp_path), module)
+    times = profile.op_times(str(tmp_path), profile.module_name(hlo))
     by_category, by_scope = profile.breakdown(hlo, times)
+    (tmp_path / profile.HLO_FILE).write_text(hlo)  # the trace directory made whole
+    assert profile.trace_breakdown(str(tmp_path)) == (by_category, by_scope)
     total = sum(times.values())
     assert total > 0  # every op time lands in exactly one category and one scope
     assert sum(by_category.values()) == pytest.approx(total, rel=1e-9)
     assert sum(by_scope.values()) == pytest.approx(total, rel=1e-9)
     assert by_category["matmul"] > 0 and by_scope["mlp"] > 0
+    share = profile.attributed_share(by_scope)
+    assert 0 < share < 1 and share == pytest.approx(1 - by_scope["other"] / total)
     ops = profile.classify_ops(hlo)
     assert any(category == "matmul" and scope == "mlp" for category, scope in ops.values())
+
+
+CLASSIFY_MODULE = """HloModule classify
+
+%fused_norm (p0: f32[8,64]) -> f32[8,64] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %r = f32[8,64]{1,0} rsqrt(%p0), metadata={op_name="jit(step)/micro_batch/jvp(block)/rsqrt"}
+  ROOT %m = f32[8,64]{1,0} multiply(%p0, %r), metadata={op_name="jit(step)/jvp(block)/mul"}
+}
+
+%chunk_body (t: (s32[], f32[8,64])) -> (s32[], f32[8,64]) {
+  %t = (s32[], f32[8,64]{1,0}) parameter(0)
+  %x = f32[8,64]{1,0} get-tuple-element(%t), index=1
+  %head = f32[8,64]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %out = (s32[], f32[8,64]{1,0}) tuple(%i, %head)
+}
+
+%chunk_cond (t: (s32[], f32[8,64])) -> pred[] {
+  %t = (s32[], f32[8,64]{1,0}) parameter(0)
+  ROOT %go = pred[] constant(false)
+}
+
+ENTRY %main (x: f32[8,64]) -> (s32[], f32[8,64]) {
+  %x = f32[8,64]{1,0} parameter(0)
+  %normed = f32[8,64]{1,0} fusion(%x), kind=kLoop, calls=%fused_norm
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,64]{1,0}) tuple(%zero, %normed)
+  ROOT %loop = (s32[], f32[8,64]{1,0}) while(%init), condition=%chunk_cond, body=%chunk_body, \
+metadata={op_name="jit(step)/micro_batch/jvp(loss)/while"}
+}
+"""
+
+
+def test_ops_without_a_name_take_their_fusions_and_loops_scope():
+    """XLA's CPU fusions often carry no metadata: an elementwise fusion takes the scope its
+    contained ops name, and an op in a loop body without one takes the loop's scope."""
+    from bov_jax.bench import profile
+
+    ops = profile.classify_ops(CLASSIFY_MODULE)
+    assert ops["normed"] == ("elementwise", "block")
+    assert ops["head"] == ("matmul", "loss")
+    assert ops["loop"][1] == "loss"
+    seconds = {"normed": 1.0, "head": 3.0, "unknown_op": 1.0}
+    by_category, by_scope = profile.breakdown(CLASSIFY_MODULE, seconds)
+    assert by_category["elementwise"] == 1.0 and by_category["matmul"] == 3.0
+    assert by_scope == {**dict.fromkeys(by_scope, 0.0), "block": 1.0, "loss": 3.0, "other": 1.0}
+    assert profile.attributed_share(by_scope) == pytest.approx(0.8)

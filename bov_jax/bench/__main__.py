@@ -48,7 +48,7 @@ from bov_jax.bench import profile
 from bov_jax.config import load_config_file
 from bov_jax.data.config import default_data_config
 from bov_jax.data.pipeline import make_batch_iterator
-from bov_jax.files import write_json_atomic
+from bov_jax.files import write_json_atomic, write_text_atomic
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train import device_rows, host_memory, xla_flags
 from bov_jax.train.metrics import peak_flops_per_device
@@ -282,17 +282,22 @@ def profile_steps(bench: TrainBench, trace_dir: str, steps: int = 3) -> dict[str
     """Trace `steps` train steps; print and return milliseconds per step by category/scope."""
     with jax.profiler.trace(trace_dir):
         bench.run_steps(steps)
-    hlo = bench.step.as_text()
-    module = hlo.split(",", 1)[0].removeprefix("HloModule ").strip()
-    by_category, by_scope = profile.breakdown(hlo, profile.op_times(trace_dir, module))
+    write_text_atomic(os.path.join(trace_dir, profile.HLO_FILE), bench.step.as_text())
+    by_category, by_scope = profile.trace_breakdown(trace_dir)
     out = {
         "trace_dir": trace_dir,
         "ms_per_step_by_category": {k: round(1000 * v / steps, 2) for k, v in by_category.items()},
         "ms_per_step_by_scope": {k: round(1000 * v / steps, 2) for k, v in by_scope.items()},
+        "attributed_share": {
+            "category": round(profile.attributed_share(by_category), 4),
+            "scope": round(profile.attributed_share(by_scope), 4),
+        },
     }
     print(f"profile of {bench.path} ({trace_dir}), device ms per step:")
     for key in ("ms_per_step_by_category", "ms_per_step_by_scope"):
         print("  " + "  ".join(f"{name} {ms:.1f}" for name, ms in out[key].items()))
+    shares = out["attributed_share"]
+    print(f"  attributed: {shares['category']:.1%} to a category, {shares['scope']:.1%} to a scope")
     return out
 
 

@@ -228,10 +228,12 @@ class Block(nnx.Module):
         self.mlp = MLP(spec, keys)
 
     def __call__(self, x, ctx: ValueContext, cos, sin) -> tuple[jax.Array, jax.Array]:
-        """Pre-norm residual block: (B, T, D) -> ((B, T, D), values (B, T, K))."""
-        a, v = self.attn(layers.rms_norm(x), ctx, cos, sin)
-        x = x + a
-        return residual(x + self.mlp(layers.rms_norm(x))), v
+        """Pre-norm residual block: (B, T, D) -> ((B, T, D), values (B, T, K)). Its own ops,
+        the norms and residual adds, are traced in the name scope "block" (profiles)."""
+        with jax.named_scope("block"):
+            a, v = self.attn(layers.rms_norm(x), ctx, cos, sin)
+            x = x + a
+            return residual(x + self.mlp(layers.rms_norm(x))), v
 
 
 def residual(x: jax.Array) -> jax.Array:
@@ -285,8 +287,9 @@ class GPT(nnx.Module):
         """(B, T) -> the final residual stream (B, T, D), before the last norm. `run_block`
         (block, x, ctx, cos, sin) -> (x, v) runs each block in place of calling it (the train
         step's per-layer gather of sharded weights, bov_jax/train/fsdp.py)."""
-        x = residual(self.smear(self.embed(tokens)))
-        ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
+        with jax.named_scope("embed"):
+            x = residual(self.smear(self.embed(tokens)))
+            ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
         cos, sin = layers.rotary_tables(tokens.shape[1], self.spec.head_dim, self.spec.rope_base)
         run_block = run_block or (lambda block, *args: block(*args))
         for i, block in enumerate(self.blocks):

@@ -54,6 +54,9 @@ FSDP = "fsdp"
 GATHERED = "fsdp_gathered"  # checkpoint_name of a block's gathered weights (layer)
 GIB = 2**30
 MICRO_BATCH_SCOPE = "micro_batch"  # the name scope of each micro-batch's forward and backward
+# The name scope of the gradients' own ops (profiles): the dense kernels' cast to the compute
+# dtype and the micro-batches' gradient sum.
+GRADS_SCOPE = "grads"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +265,8 @@ def accumulate(
             loss, grads = jax.value_and_grad(lambda v: loss_of(v, inputs_i, targets_i) * share)(
                 variables
             )
-            return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
+            with jax.named_scope(GRADS_SCOPE):
+                return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
 
     zeros = jax.tree.map(lambda v, p: jnp.zeros(v.shape, p.dtype), variables, params)
     if inputs.shape[0] == 1:
@@ -332,7 +336,8 @@ def sharded_gradients(
         valid = jnp.sum(targets >= 0, axis=(1, 2))  # (accum,): this device's valid targets
         shares = valid / jnp.maximum(jax.lax.psum(valid, batch_axes), 1) / inputs.shape[0]
         compute_dtype = nnx.merge(graphdef, params).spec.compute_dtype
-        compute = dense_kernels_in(params, compute_dtype)
+        with jax.named_scope(GRADS_SCOPE):
+            compute = dense_kernels_in(params, compute_dtype)
 
         def whole(tree: Any, tree_dims: Any) -> Any:
             return jax.tree_util.tree_map_with_path(

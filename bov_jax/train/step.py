@@ -56,7 +56,8 @@ def accumulate_gradients(graphdef, params, inputs, targets) -> tuple[jax.Array, 
     parameters' dtypes. The train step runs the same math per device inside
     `fsdp.sharded_gradients`.
     """
-    compute = dense_kernels_in(params, nnx.merge(graphdef, params).spec.compute_dtype)
+    with jax.named_scope(fsdp.GRADS_SCOPE):
+        compute = dense_kernels_in(params, nnx.merge(graphdef, params).spec.compute_dtype)
     accum = inputs.shape[0]
     loss, grads = fsdp.accumulate(
         lambda variables, inputs_i, targets_i: loss_fn(graphdef, variables, inputs_i, targets_i),
@@ -81,20 +82,21 @@ def apply_gradients(
     `fault_nonfinite_step` >= 0 (train.fault_nonfinite_step, tests only) multiplies the new
     parameters of that step by NaN; at -1 nothing of it is compiled in.
     """
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    if fault_nonfinite_step >= 0:
-        poison = jnp.where(state.step == fault_nonfinite_step, jnp.nan, 1.0)
-        params = jax.tree.map(lambda p: p * poison.astype(p.dtype), params)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
+    with jax.named_scope("optimizer"):  # muon and adamw scope their own updates inside
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        if fault_nonfinite_step >= 0:
+            poison = jnp.where(state.step == fault_nonfinite_step, jnp.nan, 1.0)
+            params = jax.tree.map(lambda p: p * poison.astype(p.dtype), params)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
 
-    def commit(state: TrainState) -> TrainState:
-        return TrainState(state.step + 1, params, opt_state, state.rng)
+        def commit(state: TrainState) -> TrainState:
+            return TrainState(state.step + 1, params, opt_state, state.rng)
 
-    # A non-finite step keeps the previous state (the step counter included). A cond,
-    # not a select over the whole state, so a good step pays no extra pass over memory.
-    state = jax.lax.cond(finite, commit, lambda state: state, state)
+        # A non-finite step keeps the previous state (the step counter included). A cond,
+        # not a select over the whole state, so a good step pays no extra pass over memory.
+        state = jax.lax.cond(finite, commit, lambda state: state, state)
     return state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
 
