@@ -43,7 +43,8 @@ decode() {  # d24 decode at batch 8: baseline vs BoV with and without the V cach
   for kernel in 1 0; do
     BOV_BANK_KERNEL=$kernel timeout 240 python3 -m bov_jax.bench_decode --baseline=d24 \
         --bov=d24_bov --depth=24 --model_dim=1536 --head_dim=128 --vocab_size=32768 \
-        --dtype=bfloat16 --batch=8 --contexts=2048,32768 --new_tokens=64 2>&1 \
+        --dtype=bfloat16 --batch=8 --contexts=2048,32768 --new_tokens=64 \
+        --json_out="$OUT/decode_d24_bank_kernel$kernel.json" 2>&1 \
         | grep -v "^W[0-9]" | tee "$OUT/decode_d24_bank_kernel$kernel.log"
   done
 }

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from bov_jax import cli
+from bov_jax.files import write_json_atomic
 from bov_jax.memory import kv_cache_bytes
 from bov_jax.model.decode import SLOT_MULTIPLE, Engine, KVCache, Prefilled, init_cache
 from bov_jax.model.gpt import GPT
@@ -93,8 +94,9 @@ def decode_rate(engine: Engine, context: int, args: flags.FlagValues) -> tuple[f
     return args.batch * args.new_tokens / best, size
 
 
-def run(args: flags.FlagValues) -> str:
-    """The side-by-side table, one row per context length."""
+def run(args: flags.FlagValues) -> tuple[str, dict]:
+    """The side-by-side table, one row per context length, and the same figures as a dict:
+    {device, contexts: [{context, tokens_per_sec: {variant: rate}, cache_mib: {...}}]}."""
     variants = {
         "baseline": (args.baseline, True),
         "BoV, V cache": (args.bov, False),
@@ -112,6 +114,7 @@ def run(args: flags.FlagValues) -> str:
         + " "
         + " ".join(f"{name + ' MiB':>20}" for name in variants),
     ]
+    figures = {"device": jax.devices()[0].device_kind, "contexts": []}
     for context in map(int, args.contexts):
         rates, sizes = zip(*(decode_rate(e, context, args) for e in engines.values()))
         lines.append(
@@ -120,7 +123,14 @@ def run(args: flags.FlagValues) -> str:
             + " "
             + " ".join(f"{s / MIB:>20.2f}" for s in sizes)
         )
-    return "\n".join(lines)
+        figures["contexts"].append(
+            {
+                "context": context,
+                "tokens_per_sec": dict(zip(variants, rates, strict=True)),
+                "cache_mib": {v: size / MIB for v, size in zip(variants, sizes, strict=True)},
+            }
+        )
+    return "\n".join(lines), figures
 
 
 def define_flags() -> None:
@@ -141,11 +151,15 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer("new_tokens", 32, "Tokens decoded per sequence.")
     flags.DEFINE_integer("repeats", 2, "Timed repetitions.")
+    flags.DEFINE_string("json_out", None, "Also write the figures to this JSON file.")
 
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run checks)
-    print(run(flags.FLAGS))
+    table, figures = run(flags.FLAGS)
+    print(table)
+    if flags.FLAGS.json_out:
+        write_json_atomic(flags.FLAGS.json_out, figures)
 
 
 if __name__ == "__main__":

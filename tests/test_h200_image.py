@@ -9,6 +9,7 @@ here, on CPU, instead of the first minutes of a GPU session.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -95,8 +96,43 @@ def test_the_benches_of_h200_sh_run_on_the_image_packages_and_the_wheels(tmp_pat
         "--contexts=64",
         "--new_tokens=2",
         "--repeats=1",
+        f"--json_out={tmp_path / 'decode.json'}",
     )
     assert decode.returncode == 0, decode.stderr[-3000:]
+    results_from_the_run_folder(tmp_path)
+
+
+def results_from_the_run_folder(run: Path) -> None:
+    """benchmarks/h200_results.py reads the benches' JSON as h200.sh names it in $OUT."""
+    out = run / "out"
+    out.mkdir()
+    train = json.loads((run / "train.json").read_text())
+    for name in ("train_d12.json", "train_d24.json"):
+        (out / name).write_text(json.dumps(train))
+    decode = json.loads((run / "decode.json").read_text())
+    (out / "decode_d24_bank_kernel1.json").write_text(
+        json.dumps({**decode, "contexts": [{**decode["contexts"][0], "context": 2048}]})
+    )
+    (out / "gpu.txt").write_text("NVIDIA H200, 143771 MiB\njax 0.11.2 jaxlib 0.11.2 flax 0.12.10\n")
+    written = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "h200_results.py"), str(out), "--command=h200.sh"]
+        + [f"--json_out={run / 'h200.json'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert written.returncode == 0, written.stderr
+    results = json.loads((run / "h200.json").read_text())
+    bov = train[-1]
+    rates = decode["contexts"][0]["tokens_per_sec"]
+    assert results["bov_over_base_step_d24"] == bov["step_time_ratio_vs_first"]["median"]
+    assert results["d24_bov_mfu"] == bov["mfu_step"]  # null on CPU: no peak to divide by
+    assert results["decode_no_v_over_base_2k"] == rates["BoV, no V cache"] / rates["baseline"]
+    assert results["decode_no_v_over_base_32k"] is None  # this run has no 32K row
+    assert "missing" not in written.stderr
+    shares = bov["profile"]["attributed_share"]
+    assert results["profile_attributed_share"] == min(shares.values()) > 0
+    assert (results["jax"], results["command"]) == ("0.11.2", "h200.sh")
 
 
 def test_a_package_off_the_image_is_refused():
