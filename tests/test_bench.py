@@ -150,6 +150,13 @@ CLASSIFY_MODULE = """HloModule classify
   ROOT %m = f32[8,64]{1,0} multiply(%p0, %r), metadata={op_name="jit(step)/jvp(block)/mul"}
 }
 
+%fused_wide (p0: f32[8,64]) -> (f32[8,64], f32[8,64], f32[8,64], f32[8,64], f32[8,64], f32[8,64]) {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %n = f32[8,64]{1,0} negate(%p0)
+  ROOT %six = (f32[8,64]{1,0}, f32[8,64]{1,0}, f32[8,64]{1,0}, f32[8,64]{1,0}, f32[8,64]{1,0}, \
+/*index=5*/f32[8,64]{1,0}) tuple(%n, %n, %n, %n, %n, %n)
+}
+
 %chunk_body (t: (s32[], f32[8,64])) -> (s32[], f32[8,64]) {
   %t = (s32[], f32[8,64]{1,0}) parameter(0)
   %x = f32[8,64]{1,0} get-tuple-element(%t), index=1
@@ -166,6 +173,9 @@ CLASSIFY_MODULE = """HloModule classify
 ENTRY %main (x: f32[8,64]) -> (s32[], f32[8,64]) {
   %x = f32[8,64]{1,0} parameter(0)
   %normed = f32[8,64]{1,0} fusion(%x), kind=kLoop, calls=%fused_norm
+  %wide = (f32[8,64]{1,0}, f32[8,64]{1,0}, f32[8,64]{1,0}, f32[8,64]{1,0}, f32[8,64]{1,0}, \
+/*index=5*/f32[8,64]{1,0}) fusion(%x), kind=kLoop, calls=%fused_wide, \
+metadata={op_name="jit(step)/optimizer/neg"}
   %zero = s32[] constant(0)
   %init = (s32[], f32[8,64]{1,0}) tuple(%zero, %normed)
   ROOT %loop = (s32[], f32[8,64]{1,0}) while(%init), condition=%chunk_cond, body=%chunk_body, \
@@ -176,11 +186,13 @@ metadata={op_name="jit(step)/micro_batch/jvp(loss)/while"}
 
 def test_ops_without_a_name_take_their_fusions_and_loops_scope():
     """XLA's CPU fusions often carry no metadata: an elementwise fusion takes the scope its
-    contained ops name, and an op in a loop body without one takes the loop's scope."""
+    contained ops name, and an op in a loop body without one takes the loop's scope. A
+    multi-output fusion is read whatever the length of its result."""
     from bov_jax.bench import profile
 
     ops = profile.classify_ops(CLASSIFY_MODULE)
     assert ops["normed"] == ("elementwise", "block")
+    assert ops["wide"] == ("elementwise", "optimizer")  # a result of six: '/*index=5*/' inside
     assert ops["head"] == ("matmul", "loss")
     assert ops["loop"][1] == "loss"
     seconds = {"normed": 1.0, "head": 3.0, "unknown_op": 1.0}

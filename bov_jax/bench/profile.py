@@ -41,7 +41,10 @@ CATEGORIES = (
 )
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (?:\([^=]*?\)|\S+) ([a-z][\w\-]*)\((.*)$")
+# A tuple-shaped result may hold `/*index=5*/` comments (XLA writes one every fifth element).
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%([\w.\-]+) = (?:\((?:[^=]|/\*index=\d+\*/)*?\)|\S+) ([a-z][\w\-]*)\((.*)$"
+)
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SCOPE = re.compile(r"(?:^|/|\()(" + "|".join(SCOPES) + r")(?=/|\)|$)")
