@@ -26,6 +26,7 @@ from jax.sharding import SingleDeviceSharding
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bov_jax import cli  # noqa: E402
 from bov_jax.compile import hlo  # noqa: E402
 from bov_jax.compile.targets import resolve_target, target_devices  # noqa: E402
 from bov_jax.model import decode  # noqa: E402
@@ -131,4 +132,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.guarded(main)  # a missing CUDA plugin or an unknown target: one line

@@ -24,6 +24,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bov_jax import cli  # noqa: E402
+from bov_jax.errors import UserError  # noqa: E402
 from bov_jax.files import write_json_atomic  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "h200.json")
@@ -91,10 +93,13 @@ def main() -> None:
     parser.add_argument("--command", default=both_modes, help="how the figures were made")
     parser.add_argument("--json_out", default=RESULTS)
     args = parser.parse_args()
+    if not os.path.isdir(args.out_dir):
+        raise UserError(f"{args.out_dir}: no such folder; expected the $OUT of h200.sh's runs")
     results = collect(args.out_dir, args.command)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
     write_json_atomic(args.json_out, results)
     print(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    cli.guarded(main)
