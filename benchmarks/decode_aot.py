@@ -101,12 +101,9 @@ def step_cost(text: str) -> tuple[int, int, float]:
     module = hlo.parse(text)
     shapes = module.shapes
     loop = next(i for i in module.computations[module.entry] if i.opcode == "while")
-    body = loop.attributes.split("body=")[1].split(",")[0].lstrip("%")
     ops = kernels = 0
     traffic = 0.0
-    for instruction in module.computations[body]:
-        if instruction.opcode in hlo.NO_TRAFFIC or instruction.opcode.endswith("-done"):
-            continue
+    for instruction in filter(hlo.moves_data, module.computations[hlo.called(loop, "body")]):
         ops += 1
         if instruction.opcode == "custom-call" and "xla.gpu.triton" in instruction.attributes:
             kernels += 1

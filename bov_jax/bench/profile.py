@@ -127,7 +127,8 @@ def classify_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
         enclosing[computation] = scope
         for _, opcode, called, line in computations.get(computation, []):
             if opcode in ("while", "conditional", "call"):
-                inner = _scope(line) if _scope(line) != "other" else scope
+                own = _scope(line)
+                inner = own if own != "other" else scope
                 for callee in called:
                     if callee not in enclosing:
                         enclose(callee, inner)

@@ -143,6 +143,12 @@ def parse(text: str) -> Module:
     return Module(computations, entry)
 
 
+def called(instruction: Instruction, key: str) -> str | None:
+    """The computation an instruction names under `key` ("body", "condition", "calls")."""
+    found = re.search(rf"{key}=%?([\w.\-]+)", instruction.attributes)
+    return found[1] if found else None
+
+
 def trip_count(module: Module, loop: Instruction) -> int:
     """A while loop's trip count: XLA's known_trip_count where it notes one, else the bound of
     a counter compared `< constant` in the condition (lax.scan and fori_loop count from 0 by
@@ -150,8 +156,7 @@ def trip_count(module: Module, loop: Instruction) -> int:
     known = TRIP_COUNT.search(loop.attributes)
     if known:
         return int(known[1])
-    condition = re.search(r"condition=%?([\w.\-]+)", loop.attributes)
-    body = module.computations.get(condition[1], []) if condition else []
+    body = module.computations.get(called(loop, "condition") or "", [])
     constants = {i.name: i.arguments for i in body if i.opcode == "constant"}
     for instruction in body:
         if instruction.opcode == "compare" and "direction=LT" in instruction.attributes:
@@ -168,10 +173,10 @@ def multiplicities(module: Module) -> dict[str, int]:
     calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     for caller, body in module.computations.items():
         for instruction in body:
-            body_name = re.search(r"body=%?([\w.\-]+)", instruction.attributes)
+            body_name = called(instruction, "body")
             for callee in re.findall(r"%([\w.\-]+)", instruction.attributes):
                 if callee in names:
-                    loop = instruction.opcode == "while" and body_name and callee == body_name[1]
+                    loop = instruction.opcode == "while" and callee == body_name
                     calls[caller].append((callee, trip_count(module, instruction) if loop else 1))
     counts: dict[str, int] = collections.defaultdict(int)
 
@@ -208,6 +213,12 @@ NO_TRAFFIC = {
 }
 
 
+def moves_data(instruction: Instruction) -> bool:
+    """Whether an op reads or writes memory of its own (a kernel on a GPU): not a view, a
+    tuple, control flow (its bodies count) or the `-done` half of an asynchronous op."""
+    return instruction.opcode not in NO_TRAFFIC and not instruction.opcode.endswith("-done")
+
+
 def control_flow_multiplicities(module: Module) -> dict[str, int]:
     """Like `multiplicities`, but only the computations that run as a program (the entry, loop
     bodies and conditions, conditional branches, calls): not fusion bodies or reducers."""
@@ -219,9 +230,9 @@ def control_flow_multiplicities(module: Module) -> dict[str, int]:
             if instruction.opcode == "while":
                 trips = trip_count(module, instruction)
                 for key in ("body", "condition"):
-                    found = re.search(rf"{key}=%?([\w.\-]+)", instruction.attributes)
+                    found = called(instruction, key)
                     if found:
-                        visit(found[1], times * (trips if key == "body" else trips + 1))
+                        visit(found, times * (trips if key == "body" else trips + 1))
             elif instruction.opcode in ("conditional", "call"):
                 for callee in re.findall(r"%([\w.\-]+)", instruction.attributes):
                     if callee in module.computations:
@@ -233,8 +244,7 @@ def control_flow_multiplicities(module: Module) -> dict[str, int]:
 
 def fusion_root(module: Module, instruction: Instruction) -> str:
     """The opcode at the root of a fusion's computation, its last instruction ('' if none)."""
-    called = re.search(r"calls=%?([\w.\-]+)", instruction.attributes)
-    body = module.computations.get(called[1], []) if called else []
+    body = module.computations.get(called(instruction, "calls") or "", [])
     return body[-1].opcode if body else ""
 
 
@@ -246,8 +256,7 @@ def fused_reads(module: Module, instruction: Instruction) -> dict[int, float]:
     """{operand index: bytes read} for a fusion's operands that its computation reads only
     through ops that return part of them (a table or a cache indexed inside the fusion): the
     sum of what those ops return, not the whole operand."""
-    called = re.search(r"calls=%?([\w.\-]+)", instruction.attributes)
-    body = module.computations.get(called[1], []) if called else []
+    body = module.computations.get(called(instruction, "calls") or "", [])
     parameters = {i.name: int(i.arguments) for i in body if i.opcode == "parameter"}
     reads: dict[int, float] = {}
     for name, index in parameters.items():
@@ -298,9 +307,8 @@ def memory_traffic(module: Module) -> float:
     total = 0.0
     for name, times in control_flow_multiplicities(module).items():
         for instruction in module.computations[name]:
-            if instruction.opcode in NO_TRAFFIC or instruction.opcode.endswith("-done"):
-                continue
-            total += times * op_traffic(module, instruction, shapes)
+            if moves_data(instruction):
+                total += times * op_traffic(module, instruction, shapes)
     return total
 
 
