@@ -1,11 +1,12 @@
-"""The table lookup's custom VJP against autodiff of a plain gather."""
+"""The table lookup's custom VJP against autodiff of a plain gather, and `add_rows`, the
+per-id sum that both it and the train step's row gradient use."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bov_jax.model.tables import gather_rows
+from bov_jax.model.tables import add_rows, gather_rows
 
 IDS = jnp.array([[5, 9, 9, 17, 5, 100], [3, 9, 42, 5, 5, 0]])  # repeated ids on purpose
 
@@ -59,3 +60,30 @@ def test_forward_casts_only_the_gathered_rows():
         if e.primitive.name == "convert_element_type"
     ]
     assert [tuple(e.outvars[0].aval.shape) for e in converts] == [(*IDS.shape, 16)]
+
+
+def test_add_rows_sums_each_id_in_fp32_then_adds_in_the_totals_dtype():
+    """Four rows of 2**-9 for id 5 onto a bf16 1.0: summed first (2**-7) they reach the
+    total; added one by one in bf16 each would round away (1 + 2**-9 is not a bf16)."""
+    total = jnp.ones((8, 2), jnp.bfloat16)
+    ids = jnp.array([[5, 5], [5, 2], [5, 7]])
+    rows = jnp.full((3, 2, 2), 2.0**-9, jnp.bfloat16).at[1, 1].set(0.5).at[2, 1].set(-1.0)
+    got = np.asarray(add_rows(total, ids, rows), np.float32)
+    want = np.ones((8, 2), np.float32)
+    want[5] += 4 * 2.0**-9
+    want[2] += 0.5
+    want[7] -= 1.0
+    np.testing.assert_array_equal(got, want)
+    naive = np.asarray(total.at[ids.reshape(-1)].add(rows.reshape(-1, 2)), np.float32)
+    assert naive[5, 0] != want[5, 0]  # the order of rounding this guards against
+
+
+def test_add_rows_touches_only_the_rows_of_the_ids():
+    total = jax.random.normal(jax.random.key(1), (128, 16), jnp.float32)
+    table, cotangent = table_and_cotangent(jnp.float32, jnp.float32)
+    got = np.asarray(add_rows(total, IDS, cotangent))
+    want = np.asarray(total).copy()
+    np.add.at(want, np.asarray(IDS).reshape(-1), np.asarray(cotangent).reshape(-1, 16))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(128), np.asarray(IDS))
+    np.testing.assert_array_equal(got[untouched], np.asarray(total)[untouched])

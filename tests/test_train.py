@@ -15,6 +15,8 @@ from helpers import randomize, tiny_config, tiny_model
 from bov_jax import sharding
 from bov_jax.accounting import training_plan
 from bov_jax.config import validate_config
+from bov_jax.model.tables import embedding_paths
+from bov_jax.train import fsdp
 from bov_jax.train.optim import param_labels
 from bov_jax.train.state import all_finite, create_train_state
 from bov_jax.train.step import accumulate_gradients, loss_fn, make_train_step
@@ -98,6 +100,70 @@ def test_bf16_step_casts_each_kernel_once_with_the_per_use_gradients():
     kernels = {(64, 64), (64, 256), (256, 64)}  # attention and MLP; lm_head is (64, 320)
     assert kernels <= {shape for in_scan, shape in casts if not in_scan}
     assert not kernels & {shape for in_scan, shape in casts if in_scan}
+
+
+def table_writes(jaxpr, shape: tuple[int, ...], in_scan: bool = False) -> list[tuple[bool, str]]:
+    """(inside a scan?, primitive) of every op of a jaxpr, recursively, whose result has
+    `shape` (a table's)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if any(tuple(v.aval.shape) == shape for v in eqn.outvars):
+            found.append((in_scan, eqn.primitive.name))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += table_writes(sub, shape, in_scan or eqn.primitive.name == "scan")
+    return found
+
+
+@pytest.mark.parametrize("preset", ["d12_bov", "d12_bov_shared"])
+def test_tables_gradient_by_rows_equals_autodiffs_dense_gradient(preset):
+    """fsdp.accumulate's gradient of the token-id tables, added into the running sum by id,
+    equals autodiff's dense per-micro-batch table gradients summed in the tables' dtype
+    (bf16 here, to a bf16 rounding), with every other gradient unchanged; and inside the
+    scan over micro-batches no op but the in-place scatter-add of each table's rows makes a
+    table-sized array."""
+    model = tiny_model(
+        preset, depth=4, compute_dtype="bfloat16", table_dtype="bfloat16", vocab_size=300
+    )  # tables (320, 64): no other parameter has their shape
+    randomize(model, seed=5)
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    batch = next(in_memory_batches(1, 3, 4, 64, 300))
+    shares = jnp.full((3,), 1 / 3, jnp.float32)
+
+    def gradients(by_rows):
+        return jax.jit(
+            lambda p, i, t: fsdp.accumulate(graphdef, p, i, t, shares, params, by_rows=by_rows)
+        )(params, batch["inputs"], batch["targets"])
+
+    loss, grads = gradients(lambda path: True)
+    dense_loss, dense = gradients(lambda path: False)
+    np.testing.assert_allclose(loss, dense_loss, rtol=1e-6)
+    tables = embedding_paths(model)
+    banks = {"bank"} if preset.endswith("shared") else {"bank.2", "bank.3"}
+    assert set(tables) == {"wte", *banks}
+    flat, flat_dense = (jax.tree_util.tree_flatten_with_path(g)[0] for g in (grads, dense))
+    for (path, got), (_, want) in zip(flat, flat_dense, strict=True):
+        keys = tuple(getattr(k, "key", None) for k in path)
+        assert got.dtype == want.dtype, keys
+        if keys in tables.values():
+            # the same sums; XLA rounds bf16 intermediates differently in the two programs
+            assert got.dtype == jnp.bfloat16, keys
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            assert np.abs(want).max() > 0, keys
+            np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=str(keys))
+
+    table_shape = params["wte"]["embedding"].shape
+
+    def writes(by_rows):
+        jaxpr = jax.make_jaxpr(
+            lambda p, i, t: fsdp.accumulate(graphdef, p, i, t, shares, params, by_rows=by_rows)
+        )(params, batch["inputs"], batch["targets"])
+        return {name for in_scan, name in table_writes(jaxpr.jaxpr, table_shape) if in_scan}
+
+    assert writes(lambda path: True) == {"scatter-add"}
+    assert {"broadcast_in_dim", "add"} <= writes(lambda path: False)  # what rows avoid
 
 
 def run_steps(config, mesh, steps=3):

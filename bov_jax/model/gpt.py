@@ -7,7 +7,7 @@ that `bov_jax.sharding` maps onto a device mesh.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -59,12 +59,13 @@ def dense(
     )
 
 
-def table(spec: ModelSpec, values: jax.Array, axes: tuple) -> Table:
+def table(spec: ModelSpec, values: jax.Array, axes: tuple, role: str) -> Table:
     """A token-id table holding the given (rows, features) values, stored in spec.table_dtype."""
     rows, features = values.shape
     return Table(
         rows,
         features,
+        role=role,
         embedding_init=nnx.with_partitioning(lambda *_: values.astype(spec.table_dtype), axes),
         dtype=spec.compute_dtype,
         param_dtype=spec.table_dtype,
@@ -82,6 +83,7 @@ class ValueContext(NamedTuple):
     token_ids: jax.Array  # (B, T) int32
     x0n: jax.Array  # (B, T, D) rmsnorm of the post-smear embedding
     v1: jax.Array | None  # (B, T, K) layer 0's values, once computed
+    rows: Mapping[str, jax.Array] | None = None  # table rows (B, T, F) gathered by the caller
 
 
 class ValuePath(nnx.Module):
@@ -130,13 +132,15 @@ class ValuePath(nnx.Module):
             "residual": lambda: self.c_v(x),
             "x0": lambda: self.c_v(ctx.x0n),
             "v1": lambda: ctx.v1,
-            "bank": lambda: self.bank_lookup(ctx.token_ids),
+            "bank": lambda: self.bank_lookup(ctx.token_ids, ctx.rows),
         }[self.vp.source]()
 
-    def bank_lookup(self, token_ids: jax.Array) -> jax.Array:
-        """The bank rows of the ids: (B, T) -> (B, T, K)."""
+    def bank_lookup(
+        self, token_ids: jax.Array, given: Mapping[str, jax.Array] | None = None
+    ) -> jax.Array:
+        """The bank rows of the ids: (B, T) -> (B, T, K) (`given`: see Table)."""
         with jax.named_scope("bank"):
-            return self.bank(token_ids)
+            return self.bank(token_ids, given)
 
     def replace_coef(self) -> jax.Array | float:
         return {
@@ -254,7 +258,7 @@ class GPT(nnx.Module):
         k_wte, k_head, k_blocks = jax.random.split(jax.random.key(seed), 3)
         d, vocab = spec.d_model, spec.padded_vocab
         wte_fp32 = normal(0.8)(k_wte, (vocab, d), jnp.float32)
-        self.wte = table(spec, wte_fp32, ("vocab", "embed"))
+        self.wte = table(spec, wte_fp32, ("vocab", "embed"), "wte")
         self.smear_gate = dense(spec, spec.smear_channels, 1, zeros, (None, None), k_wte)
         self.smear_lambda = scalar(0.0, spec)
         banks = make_banks(spec, wte_fp32, k_blocks)
@@ -263,9 +267,27 @@ class GPT(nnx.Module):
         )
         self.lm_head = dense(spec, d, vocab, normal(0.001), ("embed", "vocab"), k_head)
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        """(B, T) -> the normalized, pre-smear token embedding (B, T, D)."""
-        return layers.rms_norm(self.wte(tokens))
+    def embed(self, tokens: jax.Array, rows: Mapping[str, jax.Array] | None = None) -> jax.Array:
+        """(B, T) -> the normalized, pre-smear token embedding (B, T, D) (`rows`: see hidden)."""
+        return layers.rms_norm(self.wte(tokens, rows))
+
+    def tables(self) -> dict[str, Table]:
+        """The token-id tables by role: wte and each distinct bank (a shared bank once)."""
+        found = {"wte": self.wte}
+        for block in self.blocks:
+            bank = getattr(block.attn.value, "bank", None)
+            if bank is not None:
+                found[bank.role] = bank
+        return found
+
+    def table_rows(self, tokens: jax.Array, roles: Iterable[str]) -> dict[str, jax.Array]:
+        """The rows (B, T, F) at tokens (B, T) of the tables named by `roles`, for `hidden`'s
+        `rows`, each gathered in the name scope of its lookup there (embed, bank)."""
+        tables, rows = self.tables(), {}
+        for role in roles:
+            with jax.named_scope("embed" if role == "wte" else "bank"):
+                rows[role] = tables[role](tokens)
+        return rows
 
     def smear_gate_values(self, x: jax.Array) -> jax.Array:
         """Gate g (B, T, 1) = smear_lambda * sigmoid(smear_gate(x[..., :24]))."""
@@ -283,13 +305,20 @@ class GPT(nnx.Module):
         cap = self.spec.logit_softcap
         return cap * jnp.tanh(logits / cap)
 
-    def hidden(self, tokens: jax.Array, run_block: BlockRunner | None = None) -> jax.Array:
+    def hidden(
+        self,
+        tokens: jax.Array,
+        run_block: BlockRunner | None = None,
+        rows: Mapping[str, jax.Array] | None = None,
+    ) -> jax.Array:
         """(B, T) -> the final residual stream (B, T, D), before the last norm. `run_block`
         (block, x, ctx, cos, sin) -> (x, v) runs each block in place of calling it (the train
-        step's per-layer gather of sharded weights, bov_jax/train/fsdp.py)."""
+        step's per-layer gather of sharded weights, bov_jax/train/fsdp.py). `rows`: the rows
+        (B, T, F) of some tables (`tables()`'s roles) at the tokens, used instead of looking
+        them up (the train step differentiates them, bov_jax/model/tables.py)."""
         with jax.named_scope("embed"):
-            x = residual(self.smear(self.embed(tokens)))
-            ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
+            x = residual(self.smear(self.embed(tokens, rows)))
+            ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None, rows=rows)
         cos, sin = layers.rotary_tables(tokens.shape[1], self.spec.head_dim, self.spec.rope_base)
         run_block = run_block or (lambda block, *args: block(*args))
         for i, block in enumerate(self.blocks):
@@ -307,12 +336,14 @@ class GPT(nnx.Module):
         targets: jax.Array,
         reduction: str = "mean",
         run_block: BlockRunner | None = None,
+        rows: Mapping[str, jax.Array] | None = None,
     ) -> jax.Array:
         """Cross-entropy in nats of the next-token targets (B, T), -1 ignored, computed over
         chunks of tokens without the full logits (bov_jax/model/loss.py): a scalar mean over
         valid targets, or per-token nats (B, T) (0 where ignored) when reduction == "none".
-        Equal to cross_entropy(self(tokens), targets, reduction). `run_block`: see hidden."""
-        h = layers.rms_norm(self.hidden(tokens, run_block)).astype(self.spec.compute_dtype)
+        Equal to cross_entropy(self(tokens), targets, reduction). `run_block`, `rows`: see
+        hidden."""
+        h = layers.rms_norm(self.hidden(tokens, run_block, rows)).astype(self.spec.compute_dtype)
         args = (
             h,
             self.lm_head.kernel[...],
@@ -357,19 +388,19 @@ def make_banks(spec: ModelSpec, wte_fp32: jax.Array, blocks_key: jax.Array) -> d
         return {}
     s = spec.init_bound
 
-    def new_bank(layer: int) -> Table:
+    def new_bank(layer: int, role: str) -> Table:
         keys = layer_keys(blocks_key, layer)
         if vp.bank_init == "uniform":
             values = uniform(s)(keys["bank"], (spec.padded_vocab, spec.kv_dim), jnp.float32)
         else:
             w_v = uniform(s)(keys["c_v"], (spec.d_model, spec.kv_dim), jnp.float32)
             values = jnp.dot(layers.rms_norm(wte_fp32), w_v, precision=jax.lax.Precision.HIGHEST)
-        return table(spec, values, ("bank_vocab", "kv"))
+        return table(spec, values, ("bank_vocab", "kv"), role)
 
     if vp.bank_shared:
-        shared = new_bank(spec.targets[0])
+        shared = new_bank(spec.targets[0], "bank")
         return {layer: shared for layer in spec.targets}
-    return {layer: new_bank(layer) for layer in spec.targets}
+    return {layer: new_bank(layer, f"bank.{layer}") for layer in spec.targets}
 
 
 def learned_coefficients(params: dict) -> dict[str, float]:

@@ -35,18 +35,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec
 
 from bov_jax import sharding
 from bov_jax.config import FSDP_GATHER_MODES, REMAT_MODES
 from bov_jax.model.gpt import dense_kernels_in
 from bov_jax.model.spec import ModelSpec
+from bov_jax.model.tables import add_rows, embedding_paths
 
 STEP_SHARE_OF_HBM = 0.65  # of the chip's memory: the state and step's copy, accumulator, grads
 FIT_SHARE_OF_HBM = 0.9  # of the chip's memory: beyond it the blocks are recomputed (auto)
@@ -242,38 +243,83 @@ def reduce(g: jax.Array, dim: int, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.psum(g, rest) if rest else g
 
 
+def without(tree: dict, paths: Iterable[tuple]) -> dict:
+    """A nested dict `tree` with the leaves at `paths` replaced by None (no leaves)."""
+    return with_leaves(tree, dict.fromkeys(paths))
+
+
+def with_leaves(tree: dict, leaves: Mapping[tuple, Any]) -> dict:
+    """A nested dict `tree` with the leaves at the paths of `leaves` set to their values."""
+    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(tree), **leaves})
+
+
 def accumulate(
-    loss_of: Callable[[Any, jax.Array, jax.Array], jax.Array],
+    graphdef: nnx.GraphDef,
     variables: Any,
     inputs: jax.Array,
     targets: jax.Array,
     shares: jax.Array,
     params: Any,
+    run_block: Callable | None = None,
+    by_rows: Callable[[tuple], bool] = lambda path: True,
 ) -> tuple[jax.Array, Any]:
-    """sum_i shares[i] * loss_of(variables, inputs[i], targets[i]) and its gradient, over the
-    micro-batches i of inputs, targets (accum, rows, T): in a `lax.scan`, or one call where
-    there is one micro-batch (a 1-trip scan made XLA TPU run part of the forward twice). Each
-    micro-batch is traced in the name scope MICRO_BATCH_SCOPE. Each gradient is
-    summed in its parameter's dtype (`params`: the stored parameters, a tree like variables):
-    fp32 for fp32 parameters whatever the compute copy's dtype, bf16 for bf16 tables, as the
-    reference sums .grad in the parameter's dtype (and as a full fp32 sum of d24's tables
-    would cost 0.9 GB more per device)."""
+    """sum_i shares[i] * loss_i and its gradient, loss_i the model's (graphdef, variables)
+    mean loss of the micro-batch inputs[i], targets[i] of inputs, targets (accum, rows, T)
+    (`run_block`: see GPT.hidden): in a `lax.scan`, or one call where there is one
+    micro-batch (a 1-trip scan made XLA TPU run part of the forward twice). Each micro-batch
+    is traced in the name scope MICRO_BATCH_SCOPE. Each gradient is summed in its parameter's
+    dtype (`params`: the stored parameters, a tree like variables): fp32 for fp32 parameters
+    whatever the compute copy's dtype, bf16 for bf16 tables, as the reference sums .grad in
+    the parameter's dtype (and as a full fp32 sum of d24's tables would cost 0.9 GB more per
+    device).
 
-    def micro_step(grad_sum, batch):
+    The token-id tables whose embedding path passes `by_rows` (all by default) are not
+    differentiated: their rows at the micro-batch's tokens are gathered here and passed to
+    the model, and the rows' gradient is added into the running sum by id
+    (`tables.add_rows`), touching the rows of the micro-batch's ids only. Autodiff would
+    build each micro-batch's whole (V, F) gradient and add it to the sum, two passes over
+    every table per micro-batch; the sums are the same (each id's rows summed in fp32, added
+    in the parameter's dtype; rows of absent ids add an exact zero there).
+    """
+    paths = {
+        role: path
+        for role, path in embedding_paths(nnx.merge(graphdef, variables)).items()
+        if by_rows(path)
+    }
+    flat, stored = traverse_util.flatten_dict(variables), traverse_util.flatten_dict(params)
+    tables = {path: flat[path] for path in paths.values()}  # held fixed, not differentiated
+    rest = without(variables, tables)
+
+    def loss_of(rest: Any, inputs_i: jax.Array, targets_i: jax.Array, rows: dict) -> jax.Array:
+        model = nnx.merge(graphdef, with_leaves(rest, tables))
+        return model.loss(inputs_i, targets_i, run_block=run_block, rows=rows)
+
+    def micro_step(sums, batch):
+        dense_sum, table_sums = sums
         inputs_i, targets_i, share = batch
         with jax.named_scope(MICRO_BATCH_SCOPE):
-            loss, grads = jax.value_and_grad(lambda v: loss_of(v, inputs_i, targets_i) * share)(
-                variables
-            )
+            rows = nnx.merge(graphdef, variables).table_rows(inputs_i, paths)
+            loss, (grads, row_grads) = jax.value_and_grad(
+                lambda r, g: loss_of(r, inputs_i, targets_i, g) * share, argnums=(0, 1)
+            )(rest, rows)
             with jax.named_scope(GRADS_SCOPE):
-                return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), loss
+                dense_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), dense_sum, grads)
+                table_sums = {
+                    role: add_rows(table_sums[role], inputs_i, row_grads[role]) for role in paths
+                }
+                return (dense_sum, table_sums), loss
 
-    zeros = jax.tree.map(lambda v, p: jnp.zeros(v.shape, p.dtype), variables, params)
+    zeros = (
+        jax.tree.map(lambda v, p: jnp.zeros(v.shape, p.dtype), rest, without(params, tables)),
+        {role: jnp.zeros(tables[path].shape, stored[path].dtype) for role, path in paths.items()},
+    )
     if inputs.shape[0] == 1:
-        grad_sum, loss = micro_step(zeros, (inputs[0], targets[0], shares[0]))
-        return loss, grad_sum
-    grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets, shares))
-    return losses.sum(), grad_sum
+        sums, loss = micro_step(zeros, (inputs[0], targets[0], shares[0]))
+    else:
+        sums, losses = jax.lax.scan(micro_step, zeros, (inputs, targets, shares))
+        loss = losses.sum()
+    dense_sum, table_sums = sums
+    return loss, with_leaves(dense_sum, {paths[role]: g for role, g in table_sums.items()})
 
 
 def block_runner(gather_dims: Callable[[nnx.State], Any] | None, compute_dtype: Any, remat: bool):
@@ -353,12 +399,17 @@ def sharded_gradients(
             def gather_dims(local: nnx.State) -> Any:
                 return jax.tree.map(sharding.fsdp_dim, nnx.get_partition_spec(local))
 
-        run_block = block_runner(gather_dims, compute_dtype, schedule.remat)
-
-        def loss_of(variables: Any, inputs_i: jax.Array, targets_i: jax.Array) -> jax.Array:
-            return nnx.merge(graphdef, variables).loss(inputs_i, targets_i, run_block=run_block)
-
-        loss, grads = accumulate(loss_of, variables, inputs, targets, shares, params)
+        loss, grads = accumulate(
+            graphdef,
+            variables,
+            inputs,
+            targets,
+            shares,
+            params,
+            run_block=block_runner(gather_dims, compute_dtype, schedule.remat),
+            # layer: the blocks' tables stay sharded; their gradients leave per block
+            by_rows=lambda path: mode == "step" or path[0] != "blocks",
+        )
         if mode == "step":
             reduced = jax.tree.map(lambda g, dim: reduce(g, dim, batch_axes), grads, dims)
         else:  # the blocks' gradients left their gathers scattered over fsdp already

@@ -59,14 +59,8 @@ def accumulate_gradients(graphdef, params, inputs, targets) -> tuple[jax.Array, 
     with jax.named_scope(fsdp.GRADS_SCOPE):
         compute = dense_kernels_in(params, nnx.merge(graphdef, params).spec.compute_dtype)
     accum = inputs.shape[0]
-    loss, grads = fsdp.accumulate(
-        lambda variables, inputs_i, targets_i: loss_fn(graphdef, variables, inputs_i, targets_i),
-        compute,
-        inputs,
-        targets,
-        jnp.full((accum,), 1.0 / accum, jnp.float32),
-        params,
-    )
+    shares = jnp.full((accum,), 1.0 / accum, jnp.float32)
+    loss, grads = fsdp.accumulate(graphdef, compute, inputs, targets, shares, params)
     return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
