@@ -19,7 +19,7 @@ from bov_jax.model.tables import embedding_paths
 from bov_jax.train import fsdp
 from bov_jax.train.optim import param_labels
 from bov_jax.train.state import all_finite, create_train_state
-from bov_jax.train.step import accumulate_gradients, loss_fn, make_train_step
+from bov_jax.train.step import accumulate_gradients, make_train_step
 
 
 def in_memory_batches(steps: int, accum: int, rows: int, seq_len: int, vocab: int, seed=0):
@@ -79,6 +79,9 @@ def test_bf16_step_casts_each_kernel_once_with_the_per_use_gradients():
     loss, grads = jax.jit(accumulate_gradients, static_argnums=0)(
         graphdef, params, batch["inputs"], batch["targets"]
     )
+
+    def loss_fn(graphdef, params, inputs, targets):  # one micro-batch, plain autodiff
+        return nnx.merge(graphdef, params).loss(inputs, targets)
 
     micro = jax.jit(jax.value_and_grad(loss_fn, argnums=1), static_argnums=0)
     losses, total = [], jax.tree.map(jnp.zeros_like, params)

@@ -43,11 +43,6 @@ def on_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
     return traced
 
 
-def loss_fn(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: jax.Array):
-    """Mean cross-entropy of one micro-batch: inputs, targets (rows, T)."""
-    return nnx.merge(graphdef, params).loss(inputs, targets)
-
-
 def accumulate_gradients(graphdef, params, inputs, targets) -> tuple[jax.Array, Any]:
     """Mean loss and gradient over micro-batches on one device: inputs, targets (accum, rows, T).
 
