@@ -18,7 +18,7 @@ from flax import nnx
 from bov_jax import sharding
 from bov_jax.model import layers, loss
 from bov_jax.model.spec import ModelSpec
-from bov_jax.model.tables import Table
+from bov_jax.model.tables import Table, iter_tables
 from bov_jax.model.values import GATE_CHANNELS
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -271,19 +271,11 @@ class GPT(nnx.Module):
         """(B, T) -> the normalized, pre-smear token embedding (B, T, D) (`rows`: see hidden)."""
         return layers.rms_norm(self.wte(tokens, rows))
 
-    def tables(self) -> dict[str, Table]:
-        """The token-id tables by role: wte and each distinct bank (a shared bank once)."""
-        found = {"wte": self.wte}
-        for block in self.blocks:
-            bank = getattr(block.attn.value, "bank", None)
-            if bank is not None:
-                found[bank.role] = bank
-        return found
-
     def table_rows(self, tokens: jax.Array, roles: Iterable[str]) -> dict[str, jax.Array]:
-        """The rows (B, T, F) at tokens (B, T) of the tables named by `roles`, for `hidden`'s
-        `rows`, each gathered in the name scope of its lookup there (embed, bank)."""
-        tables, rows = self.tables(), {}
+        """The rows (B, T, F) at tokens (B, T) of the tables named by `roles` (wte, each
+        bank's), for `hidden`'s `rows`, each gathered in the name scope of its lookup there
+        (embed, bank)."""
+        tables, rows = {table.role: table for _, table in iter_tables(self)}, {}
         for role in roles:
             with jax.named_scope("embed" if role == "wte" else "bank"):
                 rows[role] = tables[role](tokens)
@@ -314,7 +306,7 @@ class GPT(nnx.Module):
         """(B, T) -> the final residual stream (B, T, D), before the last norm. `run_block`
         (block, x, ctx, cos, sin) -> (x, v) runs each block in place of calling it (the train
         step's per-layer gather of sharded weights, bov_jax/train/fsdp.py). `rows`: the rows
-        (B, T, F) of some tables (`tables()`'s roles) at the tokens, used instead of looking
+        (B, T, F) of some tables (by role, `table_rows`) at the tokens, used instead of looking
         them up (the train step differentiates them, bov_jax/model/tables.py)."""
         with jax.named_scope("embed"):
             x = residual(self.smear(self.embed(tokens, rows)))

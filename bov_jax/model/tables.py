@@ -13,7 +13,7 @@ itself and passes them to the model (`Table.__call__`'s `given`), differentiatin
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +70,12 @@ class Table(nnx.Embed):
         return gather_rows(self.embedding[...], ids, dtype)
 
 
-def embedding_paths(model: nnx.Module) -> dict[str, tuple]:
-    """The tables of `model` by role -> the path of each one's embedding in the model's
+def iter_tables(module: nnx.Module) -> Iterator[tuple[tuple, Table]]:
+    """(path, table) of each Table in `module`, once each (a shared table at its first path)."""
+    return ((path, node) for path, node in nnx.iter_graph(module) if isinstance(node, Table))
+
+
+def embedding_paths(module: nnx.Module) -> dict[str, tuple]:
+    """The tables of `module` by role -> the path of each one's embedding in the module's
     parameters (`nnx.to_pure_dict` layout; a shared table's first path)."""
-    return {
-        node.role: (*path, "embedding")
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, Table)
-    }
+    return {table.role: (*path, "embedding") for path, table in iter_tables(module)}

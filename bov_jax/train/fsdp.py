@@ -281,11 +281,8 @@ def accumulate(
     every table per micro-batch; the sums are the same (each id's rows summed in fp32, added
     in the parameter's dtype; rows of absent ids add an exact zero there).
     """
-    paths = {
-        role: path
-        for role, path in embedding_paths(nnx.merge(graphdef, variables)).items()
-        if by_rows(path)
-    }
+    model = nnx.merge(graphdef, variables)  # the tables' roles and paths, their rows' lookup
+    paths = {role: path for role, path in embedding_paths(model).items() if by_rows(path)}
     flat, stored = traverse_util.flatten_dict(variables), traverse_util.flatten_dict(params)
     tables = {path: flat[path] for path in paths.values()}  # held fixed, not differentiated
     rest = without(variables, tables)
@@ -298,7 +295,7 @@ def accumulate(
         dense_sum, table_sums = sums
         inputs_i, targets_i, share = batch
         with jax.named_scope(MICRO_BATCH_SCOPE):
-            rows = nnx.merge(graphdef, variables).table_rows(inputs_i, paths)
+            rows = model.table_rows(inputs_i, paths)
             loss, (grads, row_grads) = jax.value_and_grad(
                 lambda r, g: loss_of(r, inputs_i, targets_i, g) * share, argnums=(0, 1)
             )(rest, rows)
