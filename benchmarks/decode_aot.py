@@ -3,7 +3,7 @@
     CUDA_PYTHON=/path/to/venv-with-jax[cuda12]/bin/python
     $CUDA_PYTHON benchmarks/decode_aot.py [--target=h200] [--contexts=2048,32768]
 
-Compiles `bov_jax.model.decode.decode_loop` ahead of time for one GPU of the target (no GPU
+Compiles `bov_jax.inference.decode.decode_loop` ahead of time for one GPU of the target (no GPU
 needed; the CUDA plugin's compiler, as `bov_jax.compile`), for d24 in bf16 at batch 8, as
 `bash benchmarks/h200.sh decode` runs it: the baseline, BoV with a V cache, BoV without. For
 each it prints what the loop body (one decoding step) launches and moves: its ops outside
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bov_jax import cli  # noqa: E402
 from bov_jax.compile import hlo  # noqa: E402
 from bov_jax.compile.targets import resolve_target, target_devices  # noqa: E402
-from bov_jax.model import decode  # noqa: E402
+from bov_jax.inference import decode  # noqa: E402
 from bov_jax.model.gpt import GPT  # noqa: E402
 from bov_jax.model.spec import ModelSpec  # noqa: E402
 from bov_jax.presets import config_for  # noqa: E402
@@ -68,7 +68,6 @@ def compiled_text(spec: ModelSpec, context: int, eliminate_bank_v: bool, device)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(spec, seed=0)))
     slots = -(-(context + NEW_TOKENS) // decode.SLOT_MULTIPLE) * decode.SLOT_MULTIPLE
     cache = jax.eval_shape(lambda: decode.init_cache(spec, BATCH, slots, None, eliminate_bank_v))
-    key = jax.eval_shape(lambda: jax.random.key(0))
     lowered = decode.decode_loop.lower(
         graphdef,
         jax.tree.map(placed, state),
@@ -77,10 +76,11 @@ def compiled_text(spec: ModelSpec, context: int, eliminate_bank_v: bool, device)
         array((BATCH, spec.vocab_size), jnp.float32),
         array((BATCH,), jnp.int32),
         array((), jnp.int32),
-        array((), jnp.float32),
-        placed(key),
+        array((), jnp.float32),  # temperature
+        array((), jnp.int32),  # top_k
+        array((), jnp.float32),  # top_p
+        array((), jnp.int32),  # seed
         array((1,), jnp.int32),
-        top_k=None,
     )
     return lowered.compile().as_text()
 

@@ -39,9 +39,9 @@ bench() {  # name, timeout, configs, device batch, extra flags...
   return "${PIPESTATUS[0]}"
 }
 decode() {  # d24 decode at batch 8: baseline vs BoV with and without the V cache; the bank
-  # kernel (bov_jax/model/bank_gather.py), then XLA ops in its place (BOV_BANK_KERNEL=0)
+  # kernel (bov_jax/inference/bank_gather.py), then XLA ops in its place (BOV_BANK_KERNEL=0)
   for kernel in 1 0; do
-    BOV_BANK_KERNEL=$kernel timeout 240 python3 -m bov_jax.bench_decode --baseline=d24 \
+    BOV_BANK_KERNEL=$kernel timeout 240 python3 -m bov_jax.inference.bench_decode --baseline=d24 \
         --bov=d24_bov --depth=24 --model_dim=1536 --head_dim=128 --vocab_size=32768 \
         --dtype=bfloat16 --batch=8 --contexts=2048,32768 --new_tokens=64 \
         --json_out="$OUT/decode_d24_bank_kernel$kernel.json" 2>&1 \

@@ -4,7 +4,7 @@ mode) left in its $OUT folder.
     python benchmarks/h200_results.py OUT_DIR [--command="bash benchmarks/h200.sh; ..."]
 
 Reads train_d12.json and train_d24.json (`bov_jax.bench train --json_out`: the baseline
-config first, then BoV), decode_d24_bank_kernel1.json (`bov_jax.bench_decode --json_out`,
+config first, then BoV), decode_d24_bank_kernel1.json (`bov_jax.inference.bench_decode --json_out`,
 the bank kernel on) and gpu.txt (the image's versions), and writes the figures issue 34 asks
 for, as fractions: d24_bov_mfu, d12_bov_mfu, bov_over_base_step_d24 (BoV's step time over
 the baseline's, the median of interleaved repetitions), decode_no_v_over_base_2k and _32k

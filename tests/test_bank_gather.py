@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import randomize, tiny_model, tokens
 from jax import export
 
-from bov_jax.model import bank_gather, decode
+from bov_jax.inference import bank_gather, decode
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 

@@ -96,7 +96,7 @@ def test_main_prints_one_line_per_kind_of_bad_file_and_creates_nothing(tmp_path)
     [
         ["bov_jax.prepare", "--data_dir={tmp}/data"],
         ["bov_jax.compile", "--target=v5e-4"],
-        ["bov_jax.memory"],
+        ["bov_jax.inference.memory"],
     ],
 )
 def test_every_config_command_loads_through_the_same_path(tmp_path, command):

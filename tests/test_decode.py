@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from helpers import randomize, tiny_model, tokens
 
-from bov_jax.model import decode, layers
-from bov_jax.model.sampling import sample_text, sample_texts
+from bov_jax.inference import attention, decode, sampling
+from bov_jax.inference.texts import sample_text, sample_texts
 from bov_jax.presets import PRESETS
 
 # Prefill 5 tokens, then single steps up to 20 tokens: past the short window (8) of the
@@ -118,7 +118,7 @@ def test_v1_targets_read_layer_0s_v_cache():
 
 def full_cache_attention(q, k, v, *, q_positions, k_length, window):
     """Attention over every slot of the cache, masked: what the windowed read must equal."""
-    mask = layers.cache_mask(q_positions, k.shape[1], k_length, window)
+    mask = attention.cache_mask(q_positions, k.shape[1], k_length, window)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="xla")
 
 
@@ -135,13 +135,15 @@ def test_windowed_cache_reads_equal_attention_over_every_slot(window, k_length, 
     ids = jax.random.randint(keys[3], (2, 48), 0, 30)
     start = max(k_length - queries, 0)
     mask = dict(q_positions=start + jnp.arange(queries), k_length=k_length, window=window)
-    first, count = layers.visible_slots(mask["q_positions"], 48, window)
+    first, count = attention.visible_slots(mask["q_positions"], 48, window)
     assert count == min(48, window + queries) and 0 <= int(first) <= 48 - count
     want = full_cache_attention(q, k, v, **mask)
     assert float(jnp.std(want)) > 0.1
-    np.testing.assert_allclose(layers.cached_attention(q, k, v, **mask), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        attention.cached_attention(q, k, v, **mask), want, rtol=1e-5, atol=1e-6
+    )
     gathered = full_cache_attention(q, k, table[ids].reshape(2, 48, 2, 8), **mask)
-    fused = layers.cached_table_attention(q, k, table, ids, **mask)
+    fused = attention.cached_table_attention(q, k, table, ids, **mask)
     np.testing.assert_allclose(fused, gathered, rtol=1e-5, atol=1e-6)
 
 
@@ -183,15 +185,29 @@ def test_top_k_sampling_is_reproducible_and_picks_only_from_the_top_k(bov_model)
         assert all(t in row for t, row in zip(completion, top3, strict=True))
 
 
-def test_choose_tokens():
+def test_choose_cuts_to_top_k_and_top_p_and_is_greedy_at_temperature_0():
     logits = jax.random.normal(jax.random.key(0), (6, 50))
-    top = np.argsort(np.asarray(logits), -1)[:, -4:]
-    picks = np.stack(
-        [decode.choose_tokens(logits, jax.random.key(i), 2.0, top_k=4) for i in range(40)]
-    )
-    assert all(set(picks[:, r]) <= set(top[r]) for r in range(6))
-    assert len(set(picks[:, 0])) > 1  # it samples
-    greedy = decode.choose_tokens(logits, jax.random.key(0), 0.0, top_k=4)
+    order = np.argsort(np.asarray(logits), -1)[:, ::-1]
+    probs = np.asarray(jax.nn.softmax(logits / 2.0))
+    nucleus = [  # the smallest set of largest logits holding 0.5 of the probability
+        set(order[r, : 1 + int(np.sum(np.cumsum(probs[r, order[r]]) < 0.5))]) for r in range(6)
+    ]
+    rows = jnp.arange(6)
+    temperature = jnp.full((6,), 2.0)
+    top_k = jnp.array([4, 4, 4, 0, 0, 1])
+    top_p = jnp.array([1.0, 1.0, 1.0, 0.5, 0.5, 1.0])
+
+    def pick(i):
+        keys = sampling.token_keys(jnp.full((6,), i), rows, rows)
+        return sampling.choose(logits, keys, temperature, top_k, top_p)
+
+    picks = np.stack([pick(i) for i in range(60)])
+    assert all(set(picks[:, r]) <= set(order[r, :4]) for r in range(3))
+    assert all(set(picks[:, r]) <= nucleus[r] for r in (3, 4))
+    assert set(picks[:, 5]) == {order[5, 0]}
+    assert len(set(picks[:, 0])) > 1 and len(set(picks[:, 3])) > 1  # it samples
+    keys = sampling.token_keys(rows, rows, rows)
+    greedy = sampling.choose(logits, keys, jnp.zeros(6), top_k, top_p)
     np.testing.assert_array_equal(greedy, np.asarray(logits).argmax(-1))
 
 

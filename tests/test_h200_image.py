@@ -87,7 +87,7 @@ def test_the_benches_of_h200_sh_run_on_the_image_packages_and_the_wheels(tmp_pat
     assert train.returncode == 0, train.stderr[-3000:]
     assert (tmp_path / "train.json").is_file() and "not on the H200 image" not in train.stderr
     decode = run_on_image(
-        "bov_jax.bench_decode",
+        "bov_jax.inference.bench_decode",
         "--depth=2",
         "--model_dim=128",
         "--head_dim=64",

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import pytest
 from helpers import tiny_config
 
-from bov_jax import memory
-from bov_jax.model import decode
+from bov_jax.inference import decode, memory
+from bov_jax.inference.layout import CacheLayout
 from bov_jax.model.spec import ModelSpec
 from bov_jax.presets import config_for
 
@@ -75,3 +75,19 @@ def test_write_docs(tmp_path):
     text = path.read_text()
     assert "## |V| = 32,768" in text and "## |V| = 151,936" in text
     assert text.count("| 1M |") == 2 and "| 64K |" in text
+
+
+@pytest.mark.parametrize("preset", ["d24_bov", "d12_bov", "d12_bov_shared"])
+def test_paged_bytes_per_cached_token_save_eq6s_per_token_figure(preset):
+    """The paged layout's bytes per cached token: with a V pool in every layer minus without
+    V pools in the BoV layers = Eq. 6's n_t · K elements a token, less the 4-byte token id
+    the id pages hold (which Eq. 6 leaves out); with V pools it is the baseline's layout."""
+    spec = spec_of(preset)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        without = CacheLayout.build(spec, 16, dtype)
+        with_v = CacheLayout.build(spec, 16, dtype, eliminate_bank_v=False)
+        eq6 = memory.eq6(spec, 1, 4096, dtype)
+        assert eq6.per_token == len(spec.targets) * spec.kv_dim
+        itemsize = jnp.dtype(dtype).itemsize
+        assert with_v.bytes_per_token - without.bytes_per_token == eq6.per_token * itemsize - 4
+        assert with_v.bytes_per_token == 2 * spec.n_layer * spec.kv_dim * itemsize

@@ -21,10 +21,10 @@ from helpers import randomize, tiny_config, tiny_model, tokens
 
 from bov_jax.data.tiktoken_tokenizer import TiktokenTokenizer
 from bov_jax.evals.bpb import evaluate_model
+from bov_jax.inference.texts import sample_text
 from bov_jax.interop.checkpoints import export_npz, import_npz, load_state_dict, state_dict
 from bov_jax.interop.safe_pickle import UnsafePickleError
 from bov_jax.interop.torch_format import read_state_dict, write_state_dict
-from bov_jax.model.sampling import sample_text
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = (
@@ -262,7 +262,10 @@ def test_imported_checkpoint_evaluates_like_the_npz_path(authors_checkpoint, tmp
     assert bpb["val_bpb"] == want["val_bpb"] and np.isfinite(want["val_bpb"])
 
     sample = run_module(
-        "bov_jax.sample", f"--workdir={workdir}", f"--prompt={PROMPT}", "--max_new_tokens=8"
+        "bov_jax.inference.sample",
+        f"--workdir={workdir}",
+        f"--prompt={PROMPT}",
+        "--max_new_tokens=8",
     )
     assert sample.rstrip("\n") == PROMPT + sample_text(model, tokenizer, PROMPT, 8)
 

@@ -31,7 +31,7 @@ from bov_jax.accounting import (
 from bov_jax.compile import hlo, roofline
 from bov_jax.compile.targets import Target
 from bov_jax.files import write_text_atomic
-from bov_jax.model import decode
+from bov_jax.inference import decode
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train import fsdp
 from bov_jax.train.layout import BatchLayout
@@ -136,7 +136,6 @@ def lowered_decode(setup: Setup, names: tuple[str, ...]) -> dict[str, Any]:
             ),
             compiled.output_shardings,
         )
-        key = jax.eval_shape(lambda: jax.random.key(0))
         rep = setup.replicated
         out["decode"] = decode.decode_loop.lower(
             setup.graphdef,
@@ -146,10 +145,11 @@ def lowered_decode(setup: Setup, names: tuple[str, ...]) -> dict[str, Any]:
             logits,
             rep((1,), jnp.int32),
             rep((), jnp.int32),
-            rep((), jnp.float32),
-            rep(key.shape, key.dtype),
+            rep((), jnp.float32),  # temperature
+            rep((), jnp.int32),  # top_k
+            rep((), jnp.float32),  # top_p
+            rep((), jnp.int32),  # seed
             rep((1,), jnp.int32),
-            top_k=None,
         )
     return out
 

@@ -179,7 +179,7 @@ def kv_cache_curves(
     """
     import jax.numpy as jnp
 
-    from bov_jax import memory
+    from bov_jax.inference import memory
     from bov_jax.presets import config_for
 
     d24 = config_for("d24_bov")

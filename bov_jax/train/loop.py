@@ -249,7 +249,7 @@ def log_sample(graphdef: Any, params: dict, tokenizer: Tokenizer, max_new_tokens
     """Greedy continuation of a fixed prompt, so runs can be compared by eye."""
     from flax import nnx
 
-    from bov_jax.model.sampling import sample_text
+    from bov_jax.inference.texts import sample_text
 
     model = nnx.merge(graphdef, params)
     text = sample_text(model, tokenizer, "The meaning of life is", max_new_tokens=max_new_tokens)

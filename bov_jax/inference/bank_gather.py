@@ -1,16 +1,18 @@
 """A decoding step's bank values: y[b, h] = sum_s w[b, s, h] * E[ids[b, first + s], head h].
 
 A BoV layer without a V cache weighs, at each decoding step, the bank rows of the tokens its
-window sees. In XLA ops (`weighted_rows_xla`) that is a gather and a multiply-and-reduce over
-the gathered rows. XLA on CPUs fuses the two. XLA on GPUs does not: it writes the gathered
-rows out, transposed so that the reduction runs along the minor axis, and a second kernel
-reads them back. That moves three times the bytes a V cache read moves: for d24's decoding
-loop compiled for an H200 at batch 8, 336 MiB a step beyond the V-cache model's ~2.6 GiB
+window sees. In XLA ops (`weighted_rows_xla`) that is a gather and a weighted sum (an
+einsum) over the gathered rows, which stay in the table's dtype (on a v6e the einsum's
+workspace was 3/4 of a multiply-and-reduce's in fp32). XLA on CPUs fuses the two. XLA on
+GPUs did not (as measured for the multiply-and-reduce): it writes the gathered rows out,
+transposed so that the reduction runs along the minor axis, and a second kernel reads them
+back. That moves three times the bytes a V cache read moves: for d24's decoding loop
+compiled for an H200 at batch 8, 336 MiB a step beyond the V-cache model's ~2.6 GiB
 (benchmarks/decode_aot.py, docs/benchmarks.md). `weighted_rows_kernel` is a Pallas (Triton)
 kernel that reads each row once, where it is weighed. `weighted_rows` picks one of the two
 per platform when it is lowered (jax.lax.platform_dependent): the kernel on NVIDIA GPUs, XLA
-ops elsewhere, and everywhere when the environment sets BOV_BANK_KERNEL=0 (benchmarks/h200.sh
-measures both).
+ops elsewhere, and everywhere when the environment sets BOV_BANK_KERNEL=0
+(benchmarks/h200.sh measures both).
 
 Shapes: B rows, H heads, S cache slots, C visible slots (from `first`), hd head width,
 table (R, H * hd).
@@ -47,7 +49,8 @@ def weighted_rows_xla(
     batch, slots, _ = weights.shape
     window = jax.lax.dynamic_slice_in_dim(ids, first, slots, axis=1)
     rows = jnp.take(table, window, axis=0).reshape(batch, slots, heads, -1)
-    return jnp.sum(weights[..., None] * rows.astype(jnp.float32), axis=1).astype(dtype)
+    y = jnp.einsum("bch,bchd->bhd", weights, rows, preferred_element_type=jnp.float32)
+    return y.astype(dtype)
 
 
 def weighted_rows_kernel(

@@ -9,7 +9,7 @@ rebuilt from something already held (spec section 8, paper section 4):
   own   the layer's values depend on the context: a V cache (B, S, H, hd).
   bank  an id-only target (source=bank, combine=replace): no V cache. The cache keeps the
         token-id history (B, S) once; attention weights come first, then each visible slot's
-        row of E_l is read where it is weighed (`layers.cached_table_attention`: the slots
+        row of E_l is read where it is weighed (`attention.cached_table_attention`: the slots
         the layer's window reaches, a static count, and in a decoding step a gather fused
         into the weighted sum), V = coef * E_l[ids] never stored.
         `eliminate_bank_v=False` keeps a V cache instead.
@@ -36,11 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bov_jax.inference import attention, sampling
+from bov_jax.inference.layout import BANK, OWN, value_modes
 from bov_jax.model import layers
 from bov_jax.model.gpt import GPT, Block, ValueContext
 from bov_jax.model.spec import ModelSpec
 
-OWN, BANK, V1 = "own", "bank", "v1"
 SLOT_MULTIPLE = 64  # generate rounds its cache length up to this, to reuse compilations
 
 
@@ -52,22 +53,6 @@ class KVCache(NamedTuple):
     token_ids: jax.Array | None  # (B, S) int32 history, present when a layer gathers V
     prev_embedding: jax.Array  # (B, 1, D) pre-smear normalized embedding of the last token
     pos: jax.Array  # () int32: tokens processed so far (the next token's position)
-
-
-def value_modes(spec: ModelSpec, eliminate_bank_v: bool = True) -> tuple[str, ...]:
-    """How each layer gets the values of past positions: OWN, BANK or V1 (module doc)."""
-    vp = spec.value_path
-
-    def mode(layer: int) -> str:
-        if layer not in spec.targets:
-            return OWN
-        if vp.id_only and eliminate_bank_v:
-            return BANK
-        if vp.source == "v1" and vp.combine == "replace":
-            return V1
-        return OWN
-
-    return tuple(mode(i) for i in range(spec.n_layer))
 
 
 def init_cache(
@@ -100,15 +85,15 @@ def _write(buffer: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), start)
 
 
-def _smear(model: GPT, e: jax.Array, prev: jax.Array, positions: jax.Array) -> jax.Array:
+def smear_continuing(model: GPT, e: jax.Array, prev: jax.Array, positions: jax.Array) -> jax.Array:
     """The smear of new tokens given the previous token's embedding.
 
-    e: (B, T, D) pre-smear embeddings at `positions` (T,); prev: (B, 1, D) the embedding
-    of the token before e[:, 0]. Position 0 is left unchanged (spec 1.2).
+    e: (B, T, D) pre-smear embeddings at `positions` (T,) or (B, T); prev: (B, 1, D) the
+    embedding of the token before e[:, 0]. Position 0 is left unchanged (spec 1.2).
     """
     before = jnp.concatenate([prev.astype(e.dtype), e[:, :-1]], axis=1)
     mixed = e + model.smear_gate_values(e) * before
-    return jnp.where((positions > 0)[None, :, None], mixed, e)
+    return jnp.where((jnp.broadcast_to(positions, e.shape[:2]) > 0)[..., None], mixed, e)
 
 
 def _block(
@@ -138,7 +123,7 @@ def _block(
     if v is None and mode == BANK:  # V = coef * E_l[ids], gathered inside the attention
         table = attn.value.bank.embedding[...]
         coef = attn.value.replace_coef()
-        y = layers.cached_table_attention(
+        y = attention.cached_table_attention(
             q, k.astype(q.dtype), table, cache.token_ids, **mask, scale=coef
         )
     else:
@@ -147,7 +132,7 @@ def _block(
         else:
             v_new = attn.value(h, ctx)
             v = v_all = _write(v, attn.heads(v_new), pos)
-        y = layers.cached_attention(q, k.astype(q.dtype), v_all.astype(q.dtype), **mask)
+        y = attention.cached_attention(q, k.astype(q.dtype), v_all.astype(q.dtype), **mask)
     x = x + attn.output(y)
     return x + block.mlp(layers.rms_norm(x)), k, v, v_new
 
@@ -160,7 +145,7 @@ def hidden_cached(model: GPT, tokens: jax.Array, cache: KVCache) -> tuple[jax.Ar
     spec, pos = model.spec, cache.pos
     positions = pos + jnp.arange(tokens.shape[1])
     e = model.embed(tokens)
-    x = _smear(model, e, cache.prev_embedding, positions)
+    x = smear_continuing(model, e, cache.prev_embedding, positions)
     if cache.token_ids is not None:
         cache = cache._replace(token_ids=_write(cache.token_ids, tokens, pos))
     ctx = ValueContext(token_ids=tokens, x0n=layers.rms_norm(x), v1=None)
@@ -195,24 +180,6 @@ def forward_cached(model: GPT, tokens: jax.Array, cache: KVCache) -> tuple[jax.A
 # -- sampling and the generate engine -------------------------------------------------
 
 
-def choose_tokens(
-    logits: jax.Array, key: jax.Array, temperature: jax.Array | float, top_k: int | None = None
-) -> jax.Array:
-    """Next tokens (B,) int32 from logits (B, V).
-
-    Temperature 0 gives the argmax; otherwise a sample from softmax(logits / temperature)
-    over the top_k largest logits (all of them when top_k is None).
-    """
-    greedy = jnp.argmax(logits, axis=-1)
-    if top_k is None:
-        vals, idx = logits, None
-    else:
-        vals, idx = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))
-    pick = jax.random.categorical(key, vals / jnp.maximum(temperature, 1e-6), axis=-1)
-    sampled = pick if idx is None else jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0]
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
-
-
 class Prefilled(NamedTuple):
     """A batch after its common prefill, ready for `Engine.decode`."""
 
@@ -239,9 +206,7 @@ def prefill_step(
     return model.logits(x[:, -1]), cache
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "top_k"), donate_argnames=("cache", "tokens")
-)
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "tokens"))
 def decode_loop(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -251,16 +216,16 @@ def decode_loop(
     lens: jax.Array,
     max_new_tokens: jax.Array,
     temperature: jax.Array,
-    key: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed: jax.Array,
     stop_tokens: jax.Array,
-    *,
-    top_k: int | None,
 ) -> tuple[jax.Array, KVCache]:
     """Step until every row has max_new_tokens generated or emitted a stop token.
 
     cache, tokens (B, S), logits (B, V), lens (B,): a `Prefilled` batch. Each step picks
     the token at position p = cache.pos for every row (its prompt token while p < lens,
-    else a sample from the carried logits with key fold_in(key, p)), writes it into tokens
+    else `sampling.choose` from the carried logits, keyed by (seed, row, p)), writes it into tokens
     and runs it through the model. Returns (tokens, cache); returning the cache lets it
     alias the donated one instead of doubling its memory.
     """
@@ -269,7 +234,10 @@ def decode_loop(
     def step(carry):
         cache, logits, tokens, done = carry
         p = cache.pos
-        sampled = choose_tokens(logits, jax.random.fold_in(key, p), temperature, top_k)
+        rows = jnp.arange(lens.shape[0])
+        keys = sampling.token_keys(jnp.full_like(rows, seed), rows, jnp.full_like(rows, p))
+        every = functools.partial(jnp.full, rows.shape)
+        sampled = sampling.choose(logits, keys, every(temperature), every(top_k), every(top_p))
         in_prompt = p < lens
         token = jnp.where(in_prompt, tokens[:, p], sampled)
         tokens = tokens.at[:, p].set(token)
@@ -289,7 +257,7 @@ class Engine:
 
     The jitted functions take the graphdef as a static argument, so engines of models
     with the same structure share compilations: a decode compiles once per (batch,
-    cache length, top_k, number of stop tokens), never per token.
+    cache length, number of stop tokens), never per token or sampling parameter.
     """
 
     def __init__(
@@ -330,6 +298,7 @@ class Engine:
         top_k: int | None = None,
         seed: int = 0,
         stop_tokens: Sequence[int] = (),
+        top_p: float = 1.0,
     ) -> jax.Array:
         """Run the jitted decode loop on a prefilled batch (consumed); returns tokens (B, S)."""
         tokens, _ = decode_loop(
@@ -338,9 +307,10 @@ class Engine:
             *batch,
             jnp.int32(max_new_tokens),
             jnp.float32(temperature),
-            jax.random.key(seed),
+            jnp.int32(top_k or 0),
+            jnp.float32(top_p),
+            jnp.int32(seed),
             jnp.array(list(stop_tokens) or [-1], jnp.int32),
-            top_k=top_k,
         )
         return tokens
 
@@ -352,10 +322,12 @@ class Engine:
         top_k: int | None = None,
         seed: int = 0,
         stop_tokens: Sequence[int] = (),
+        top_p: float = 1.0,
     ) -> list[list[int]]:
         """Completions of a batch of prompts (see `generate`)."""
         batch = self.prefill(prompts, max_new_tokens)
-        out = np.asarray(self.decode(batch, max_new_tokens, temperature, top_k, seed, stop_tokens))
+        out = self.decode(batch, max_new_tokens, temperature, top_k, seed, stop_tokens, top_p)
+        out = np.asarray(out)
         stops = set(stop_tokens)
         completions = []
         for row, prompt in enumerate(prompts):
@@ -374,15 +346,16 @@ def generate(
     seed: int = 0,
     stop_tokens: Sequence[int] = (),
     *,
+    top_p: float = 1.0,
     cache_dtype: jnp.dtype | None = None,
     eliminate_bank_v: bool = True,
 ) -> list[list[int]]:
     """Generate up to max_new_tokens after each prompt (lists of token ids, e.g. BOS first).
 
-    Greedy at temperature 0, else temperature / top-k sampling from jax.random.key(seed)
-    (the key of position p is fold_in(key, p), so a row's samples do not depend on the
-    other rows). A row ends at its first stop token, which is not returned. Prompts may
-    differ in length (module doc).
+    Greedy at temperature 0, else a sample (`sampling.choose`: temperature, top-k, top-p)
+    keyed by (seed, row, position) (`sampling.token_keys`), so a row's samples do not
+    depend on the other rows. A row ends at its first stop token, which is not returned.
+    Prompts may differ in length (module doc).
     """
     engine = Engine(model, cache_dtype, eliminate_bank_v)
-    return engine.generate(prompts, max_new_tokens, temperature, top_k, seed, stop_tokens)
+    return engine.generate(prompts, max_new_tokens, temperature, top_k, seed, stop_tokens, top_p)

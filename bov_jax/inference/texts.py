@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from bov_jax.model.decode import generate
+from bov_jax.inference.decode import generate
 from bov_jax.model.gpt import GPT
 
 

@@ -1,12 +1,12 @@
 """Decode throughput and cache memory: baseline vs BoV (with and without V caches).
 
-    python -m bov_jax.bench_decode                       # small CPU-sized models
-    python -m bov_jax.bench_decode --depth=24 --model_dim=1536 --head_dim=128 \
+    python -m bov_jax.inference.bench_decode                       # small CPU-sized models
+    python -m bov_jax.inference.bench_decode --depth=24 --model_dim=1536 --head_dim=128 \
         --vocab_size=32768 --dtype=bfloat16 --batch=8 --contexts=2048,8192,32768   # GPU
 
 For each context length C the cache is filled synthetically (random K, V and token ids,
 position C: decode cost does not depend on the values, and a prefill of C tokens would
-dominate the run), then the jitted decode loop of `bov_jax.model.decode.Engine` generates
+dominate the run), then the jitted decode loop of `bov_jax.inference.decode.Engine` generates
 --new_tokens tokens per row (sampling with temperature 1, so rows never stop early). It
 is run once to compile and then timed --repeats times; tokens/s = batch * new_tokens /
 the best time. Cache bytes are `bov_jax.memory.kv_cache_bytes` at the cache's length.
@@ -23,8 +23,8 @@ from absl import flags
 
 from bov_jax import cli
 from bov_jax.files import write_json_atomic
-from bov_jax.memory import kv_cache_bytes
-from bov_jax.model.decode import SLOT_MULTIPLE, Engine, KVCache, Prefilled, init_cache
+from bov_jax.inference.decode import SLOT_MULTIPLE, Engine, KVCache, Prefilled, init_cache
+from bov_jax.inference.memory import kv_cache_bytes
 from bov_jax.model.gpt import GPT
 from bov_jax.model.spec import ModelSpec
 from bov_jax.presets import config_for

@@ -1,10 +1,10 @@
 """Text completions from a workdir's checkpoint.
 
-    python -m bov_jax.sample --workdir=<dir> --prompt="The capital of France is" \
+    python -m bov_jax.inference.sample --workdir=<dir> --prompt="The capital of France is" \
         [--max_new_tokens=64 --temperature=0 --top_k=50 --seed=0 --step=N]
 
 Prompts are BOS + the encoded text; generation stops at the next BOS (a new document)
-or after max_new_tokens (bov_jax/model/sampling.py).
+or after max_new_tokens (bov_jax/inference/texts.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def define_flags() -> None:
 def main(argv: list[str]) -> None:
     """Load a workdir's checkpoint and print prompt + completion."""
     from bov_jax.evals.loading import load_model_and_tokenizer
-    from bov_jax.model.sampling import sample_text
+    from bov_jax.inference.texts import sample_text
 
     f = flags.FLAGS
     if not f.workdir or f.prompt is None:

@@ -1,0 +1,424 @@
+"""The serving engine: requests in, tokens out, over a paged cache with continuous batching.
+
+    engine = Engine(model, EngineConfig(max_seqs=8), tokenizer)
+    engine.add("a", prompt_ids, SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_work():
+        for out in engine.step(): ...       # new tokens, text and logprobs per request
+
+Each `step` plans (`scheduler`), runs at most one prefill chunk (one row) and one decoding
+batch (every decoding sequence, a row each) through `paged.forward_step`, samples every
+row whose next token is due (`sampling.sample`), and finishes sequences at EOS, at
+max_tokens, at a stop string or at the context's end, freeing their pages. `add` and
+`abort` may be called from other threads: they queue, and `step` takes them in.
+
+Compiled shapes are bucketed: a step has R rows of C tokens with R a power of two up to
+max_seqs (decoding) or 1 (prefill), C 1 (decoding) or a power of two up to the chunk
+(prefill), and per window a number of logical pages read that follows from C and the
+power-of-two bucket of the batch's last page (`paged.spans_for`). A long-running engine
+compiles at most `shape_bound()` programs, not one per request.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bov_jax.inference import paged, sampling
+from bov_jax.inference.allocator import PageAllocator
+from bov_jax.inference.layout import CacheLayout
+from bov_jax.inference.sampling import SamplingParams
+from bov_jax.inference.scheduler import Scheduler, Sequence
+from bov_jax.inference.texts import Tokenizer, completion_text
+from bov_jax.model.gpt import GPT
+
+PROMPT_CONTEXT = 8  # prompt tokens decoded with a completion, for pieces that need the left
+RATE_WINDOW_S = 10.0  # tokens/s is measured over this many seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """page_size: tokens a page; max_seqs: sequences decoding at once (batch slots);
+    max_context: positions a sequence may use (default: the model's seq_len); chunk: prompt
+    tokens prefilled a call at most; pages: pages per cache group (default: room for
+    max_seqs sequences of max_context tokens, `CacheLayout.pages_for`); seed: draws the
+    seeds of requests that name none; block_pages: logical pages an attention without a
+    paged kernel weighs at a time off NVIDIA GPUs (`paged.forward_step`)."""
+
+    page_size: int = 16
+    max_seqs: int = 8
+    max_context: int | None = None
+    chunk: int = 256
+    pages: tuple[int, ...] | None = None
+    eliminate_bank_v: bool = True
+    cache_dtype: str | None = None
+    seed: int = 0
+    record_logits: bool = False  # keep each sampled row's logits on the host (tests)
+    block_pages: int = paged.BLOCK_PAGES
+
+
+def serving_params(params: nnx.State, dtype: jnp.dtype) -> nnx.State:
+    """The parameters (arrays or ShapeDtypeStructs) with every floating one in the compute
+    dtype: what the forward casts them to at each use, so serving them cast changes no
+    result and holds bf16 weights, not fp32 masters, on accelerators."""
+
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the likeliest tokens and their log probabilities
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What one step added to one request: new tokens (an EOS is not one), the text they
+    add (held back while it may begin a stop string), their logprobs if asked, and the
+    finish reason ("stop", "length", "abort") on its last output."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logits: tuple[np.ndarray, ...] = ()  # (V,) behind each sampled token (record_logits)
+
+
+@dataclasses.dataclass
+class Result:
+    """A whole completion (`Engine.generate`)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str
+    logits: list[np.ndarray]  # with record_logits: behind each sampled token, EOS included
+
+
+def held_back(text: str, stops: Seq[str]) -> int:
+    """Characters at the end of `text` not to send yet: a trailing partial UTF-8 character
+    (U+FFFD) or the longest proper prefix of a stop string that `text` ends with."""
+    end = len(text.rstrip("\ufffd"))
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text.endswith(stop[:k], 0, end):
+                hold = max(hold, k)
+                break
+    return len(text) - end + hold
+
+
+@dataclasses.dataclass
+class _Stream:
+    """The engine's per-request bookkeeping beside its `Sequence`."""
+
+    seq: Sequence
+    sent: int = 0  # characters of the completion text already output
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # not yet output
+
+
+class Engine:
+    def __init__(
+        self,
+        model: GPT,
+        config: EngineConfig = EngineConfig(),
+        tokenizer: Tokenizer | None = None,
+        eos_ids: Seq[int] | None = None,
+    ):
+        spec = model.spec
+        self.spec, self.config, self.tokenizer = spec, config, tokenizer
+        self.max_context = config.max_context or spec.seq_len
+        dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else None
+        self.layout = CacheLayout.build(spec, config.page_size, dtype, config.eliminate_bank_v)
+        self.width = -(-self.max_context // config.page_size)
+        chunk = min(config.chunk, self.max_context)
+        need = self.layout.pages_for(0, self.max_context, chunk)  # one sequence, prefilling
+        pages = config.pages or self.layout.pages_for(config.max_seqs, self.max_context, chunk)
+        if len(pages) != len(need) or any(p < n for p, n in zip(pages, need, strict=True)):
+            raise ValueError(
+                f"pages={list(pages)}; one sequence of max_context={self.max_context} needs "
+                f"{list(need)} pages (groups: {[g.reach for g in self.layout.groups]})"
+            )
+        if config.block_pages < 1:
+            raise ValueError(f"block_pages={config.block_pages}; expected at least 1")
+        self.pages, self.chunk = tuple(pages), chunk
+        self.graphdef, params = nnx.split(model)
+        self.device = jax.devices()[0]  # one device serves
+        self.params = jax.device_put(serving_params(params, spec.compute_dtype), self.device)
+        self._empty_cache()
+        if eos_ids is None:
+            eos_ids = () if tokenizer is None else (tokenizer.bos_id,)
+        self.eos_ids = frozenset(eos_ids)
+        self._seeds = np.random.default_rng(config.seed)
+        self._streams: dict[str, _Stream] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # ids in flight, for add's duplicate check
+        self._ids: set[str] = set()
+        self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self.generated_tokens = 0
+        self.aborted = 0
+        self.steps = 0
+        self.shapes: set[tuple] = set()  # (rows, columns, spans) of the steps run so far
+
+    def shape_bound(self) -> int:
+        """How many distinct step shapes this engine can run: decoding steps of each rows
+        bucket, prefill chunks of each columns bucket, each at every pages bucket."""
+        rows, columns = paged.buckets(self.config.max_seqs), paged.buckets(self.chunk)
+        return (rows + columns) * paged.buckets(self.width)
+
+    def _empty_cache(self) -> None:
+        self.allocator = PageAllocator(self.layout, self.pages, self.width)
+        self.scheduler = Scheduler(self.allocator, self.config.max_seqs, self.chunk)
+        # placed (committed) as the step's outputs are, so the first step compiles once
+        self.pools = jax.device_put(paged.init_pools(self.layout, self.pages), self.device)
+
+    def reset(self) -> list[str]:
+        """Drop every request, queued ones too, and start again from an empty cache (after a
+        failed step, whose donated pools are gone); the ids dropped."""
+        dropped = list(self._streams)
+        while not self._inbox.empty():
+            dropped.append(self._inbox.get().id)
+        while not self._aborts.empty():
+            self._aborts.get()
+        self._streams.clear()
+        with self._lock:
+            self._ids.clear()
+        self._empty_cache()
+        return dropped
+
+    # -- requests ---------------------------------------------------------------------
+
+    def check(self, prompt: Seq[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field of a request the engine cannot serve."""
+        params.validate()
+        if not prompt:
+            raise ValueError("prompt: expected at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
+            raise ValueError(f"prompt: token ids must lie in [0, {self.spec.vocab_size})")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} with a prompt of {len(prompt)} tokens exceeds "
+                f"the context of {self.max_context} tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+
+    def add(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
+        """Queue a request (any thread); ValueError if it is invalid or its id is in use."""
+        self.check(prompt, params)
+        with self._lock:
+            if request_id in self._ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._ids.add(request_id)
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**31))
+        self._inbox.put(Sequence(request_id, list(prompt), params, seed))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (any thread): its pages are freed at the next step."""
+        self._aborts.put(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._streams) or not self._inbox.empty() or not self._aborts.empty()
+
+    # -- stepping ---------------------------------------------------------------------
+
+    def _take_in(self) -> list[Output]:
+        while not self._inbox.empty():
+            seq = self._inbox.get()
+            self._streams[seq.id] = _Stream(seq)
+            self.scheduler.add(seq)
+        outputs = []
+        while not self._aborts.empty():
+            stream = self._streams.get(self._aborts.get())
+            if stream is not None:
+                self.aborted += 1
+                outputs.append(self._finish(stream, "abort"))
+        return outputs
+
+    def _forward(self, rows: list[tuple[Sequence, int]], batch: int, columns: int) -> jax.Array:
+        """Run `rows` ((sequence, new tokens), ...) padded to (batch, columns); their
+        last tokens' logits (batch, V)."""
+        tokens = np.zeros((batch, columns), np.int32)
+        start, counts, previous = (np.zeros(batch, np.int32) for _ in range(3))
+        for r, (seq, n) in enumerate(rows):
+            tokens[r, :n] = seq.tokens[seq.computed : seq.computed + n]
+            start[r], counts[r] = seq.computed, n
+            previous[r] = seq.tokens[seq.computed - 1] if seq.computed else 0
+        tables = self.allocator.tables([seq.id for seq, _ in rows], batch)
+        inputs = paged.StepInput(tokens, start, counts, previous, tables)
+        end_page = int(max(start + np.maximum(counts, 1) - 1)) // self.layout.page_size
+        spans = paged.spans_for(self.layout, end_page, columns, self.width)
+        self.shapes.add((batch, columns, spans))
+        logits, self.pools = paged.forward_step(
+            self.graphdef,
+            self.params,
+            self.pools,
+            inputs,
+            layout=self.layout,
+            spans=spans,
+            block_pages=self.config.block_pages,
+        )
+        for seq, n in rows:
+            seq.computed += n
+        return logits
+
+    def _sample(self, logits: jax.Array, seqs: list[Sequence]) -> list[Output]:
+        """Sample the next token of each of `seqs` (the first rows of logits)."""
+        rows = logits.shape[0]
+        seeds, positions, top_k = (np.zeros(rows, np.int32) for _ in range(3))
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        for r, seq in enumerate(seqs):
+            p = seq.params
+            seeds[r], positions[r], top_k[r] = seq.seed, len(seq.tokens), p.top_k
+            temperature[r], top_p[r] = p.temperature, p.top_p
+        picked = sampling.sample(logits, seeds, positions, temperature, top_k, top_p)
+        tokens, chosen, top_values, top_ids = (np.asarray(x) for x in picked)
+        kept = np.asarray(logits[: len(seqs)]) if self.config.record_logits else None
+        outputs = []
+        for r, seq in enumerate(seqs):
+            stream = self._streams[seq.id]
+            if kept is not None:
+                stream.logits.append(kept[r])
+            n = seq.params.logprobs
+            entry = TokenLogprob(
+                int(tokens[r]),
+                float(chosen[r]),
+                tuple(zip(top_ids[r, :n].tolist(), top_values[r, :n].tolist(), strict=True))
+                if n
+                else (),
+            )
+            outputs.append(self._append(stream, entry))
+        return outputs
+
+    def _append(self, stream: _Stream, entry: TokenLogprob) -> Output:
+        seq, params = stream.seq, stream.seq.params
+        self.generated_tokens += 1
+        if entry.token in self.eos_ids and not params.ignore_eos:
+            return self._finish(stream, "stop")
+        seq.tokens.append(entry.token)
+        logprobs = (entry,) if params.logprobs is not None else ()
+        text, stopped = self._text(stream)
+        if stopped:
+            return self._finish(stream, "stop", (entry.token,), logprobs)
+        if len(seq.generated) >= params.max_tokens or len(seq.tokens) >= self.max_context:
+            return self._finish(stream, "length", (entry.token,), logprobs)
+        delta = text[stream.sent : len(text) - held_back(text, params.stop)]
+        stream.sent += len(delta)
+        return self._output(stream, delta, (entry.token,), logprobs)
+
+    def _text(self, stream: _Stream) -> tuple[str, bool]:
+        """The completion's text so far, cut before its first stop string; whether cut."""
+        if self.tokenizer is None:
+            return "", False
+        seq = stream.seq
+        text = completion_text(self.tokenizer, seq.prompt[-PROMPT_CONTEXT:], seq.generated)
+        cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        return (text[: min(cuts)], True) if cuts else (text, False)
+
+    def _output(
+        self,
+        stream: _Stream,
+        text: str,
+        tokens: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
+        reason: str | None = None,
+    ) -> Output:
+        seq, logits = stream.seq, tuple(stream.logits)
+        stream.logits.clear()
+        prompt, generated = len(seq.prompt), len(seq.generated)
+        return Output(seq.id, tokens, text, logprobs, reason, prompt, generated, logits)
+
+    def _finish(
+        self,
+        stream: _Stream,
+        reason: str,
+        tokens: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> Output:
+        """The last output of a request (the rest of its text), its pages freed."""
+        text, _ = self._text(stream)
+        self.scheduler.remove(stream.seq)
+        del self._streams[stream.seq.id]
+        with self._lock:
+            self._ids.discard(stream.seq.id)
+        return self._output(stream, text[stream.sent :], tokens, logprobs, reason)
+
+    def step(self) -> list[Output]:
+        """One iteration (module doc); the outputs of every request it advanced."""
+        outputs = self._take_in()
+        plan = self.scheduler.plan()
+        if plan.prefill is not None:
+            seq, n = plan.prefill
+            logits = self._forward([plan.prefill], 1, paged.bucket(n, self.chunk))
+            if seq.uncomputed == 0:
+                outputs += self._sample(logits, [seq])
+        if plan.decode:
+            batch = paged.bucket(len(plan.decode), self.config.max_seqs)
+            logits = self._forward([(seq, 1) for seq in plan.decode], batch, 1)
+            outputs += self._sample(logits, plan.decode)
+        self.steps += 1
+        now = time.monotonic()
+        self._rate.append((now, sum(len(o.token_ids) for o in outputs)))
+        while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+            self._rate.popleft()
+        return outputs
+
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[Result]:
+        """Every prompt's whole completion (one `SamplingParams` for all, or one each),
+        stepping until all are done."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"generate-{id(self)}-{i}" for i in range(len(prompts))]
+        results = {i: Result([], "", [], "", []) for i in ids}
+        for request_id, prompt, p in zip(ids, prompts, each, strict=True):
+            self.add(request_id, prompt, p)
+        while any(not r.finish_reason for r in results.values()):
+            for out in self.step():
+                result = results[out.request_id]
+                result.token_ids += out.token_ids
+                result.text += out.text
+                result.logprobs += out.logprobs
+                result.logits += out.logits
+                result.finish_reason = out.finish_reason or ""
+        return [results[i] for i in ids]
+
+    # -- state ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Running and waiting requests, pages used and free (all groups), tokens/s over
+        the last RATE_WINDOW_S seconds, generated tokens, preemptions, aborts, steps."""
+        groups = range(len(self.layout.groups))
+        span = self._rate[-1][0] - self._rate[0][0] if len(self._rate) > 1 else 0.0
+        rate = sum(n for _, n in list(self._rate)[1:]) / span if span > 0 else 0.0
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
+            "pages_used": sum(self.allocator.used_pages(g) for g in groups),
+            "pages_free": sum(self.allocator.free_pages(g) for g in groups),
+            "tokens_per_second": rate,
+            "generated_tokens": self.generated_tokens,
+            "preemptions": self.scheduler.preemptions,
+            "aborted": self.aborted,
+            "steps": self.steps,
+        }

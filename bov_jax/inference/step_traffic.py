@@ -1,0 +1,67 @@
+"""The HBM bytes of one compiled engine step, kernels counted by what they read.
+
+`hlo.memory_traffic` counts each op outside a fusion by its operands and result. A Pallas
+kernel is a custom call whose operands are whole arrays of which it reads a part: the
+paged-attention kernels read the pages their block tables name, not the pools; the bank
+kernel reads the table rows of the visible ids, not the table. Those are counted here by
+the parts they read; every other op as `hlo.op_traffic` counts it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from bov_jax.compile import hlo
+
+KERNEL_CALLS = ("xla.gpu.triton", "tpu_custom_call")
+
+
+def _dims(shape: str) -> tuple[str, tuple[int, ...]]:
+    return next(hlo.arrays(shape))
+
+
+def paged_kernel_bytes(shapes: list[str], result: str) -> float:
+    """A paged-attention kernel: the pages its block tables name, in K and in V, and every
+    other operand and output whole. The pools are its two largest operands; the tables its
+    largest int32 one ((B, span) on GPUs, flattened on TPUs): one page read per entry."""
+    by_size = sorted(shapes, key=hlo.shape_bytes)
+    pool, small = by_size[-1], by_size[:-2]
+    entries = max(math.prod(_dims(s)[1]) for s in small if _dims(s)[0] == "s32")
+    dtype, (heads, _, page, head_dim) = _dims(pool)
+    pages_read = 2 * entries * heads * page * head_dim * hlo.DTYPE_BYTES[dtype]
+    return pages_read + sum(map(hlo.shape_bytes, small)) + hlo.shape_bytes(result)
+
+
+def bank_kernel_bytes(shapes: list[str], result: str) -> float:
+    """The bank kernel (`bank_gather.weighted_rows_kernel`): its weights (B, C, H), the
+    window of ids and the table rows it gathers (B x C x table width), its output."""
+    weights, _, _, table = shapes
+    _, (batch, slots, _) = _dims(weights)
+    dtype, (_, width) = _dims(table)
+    rows = batch * slots * width * hlo.DTYPE_BYTES[dtype]
+    ids = batch * slots * hlo.DTYPE_BYTES["s32"]
+    return hlo.shape_bytes(weights) + ids + rows + hlo.shape_bytes(result)
+
+
+def kernel_bytes(instruction: hlo.Instruction, shapes: dict[str, str]) -> float:
+    operands = [shapes.get(o, "") for o in instruction.operands]
+    if len(operands) == 4 and len(_dims(operands[0])[1]) == 3:  # weights (B, C, H) first
+        return bank_kernel_bytes(operands, instruction.shape)
+    return paged_kernel_bytes([s for s in operands if s], instruction.shape)
+
+
+def decode_step_bytes(module: hlo.Module) -> float:
+    """Bytes one step reads and writes in HBM (loops weighted by their trips)."""
+    shapes, total = module.shapes, 0.0
+    for name, times in hlo.control_flow_multiplicities(module).items():
+        for instruction in module.computations[name]:
+            if not hlo.moves_data(instruction):
+                continue
+            kernel = instruction.opcode == "custom-call" and any(
+                call in instruction.attributes for call in KERNEL_CALLS
+            )
+            if kernel:
+                total += times * kernel_bytes(instruction, shapes)
+            else:
+                total += times * hlo.op_traffic(module, instruction, shapes)
+    return total
