@@ -100,9 +100,15 @@ def summary_lines(report: dict) -> list[str]:
                 f"{ideal / 2**30:.2f} GiB"
                 + (f" ({step['collectives_over_ideal']:.2f}x)" if ideal else "")
             )
+            wire = step["ideal_collective_wire_bytes_per_step"]
+            lines.append(
+                f"    on the wire: {step['collective_wire_bytes_per_step'] / 2**30:.2f} GiB = "
+                f"{step['collective_wire_bytes_per_parameter']:.1f} B per parameter; ideal "
+                f"{wire / 2**30:.2f} GiB" + (f" ({step['wire_over_ideal']:.2f}x)" if wire else "")
+            )
             lines += [
                 f"    {c['kind']} {c['count']:.0f}x {c['shape']} in {c['scope']}: "
-                f"{c['bytes'] / 2**30:.3f} GiB"
+                f"{c['bytes'] / 2**30:.3f} GiB ({c['wire_bytes'] / 2**30:.3f} on the wire)"
                 for c in step["collective_sources"][:4]
             ]
         if "prediction" in step:

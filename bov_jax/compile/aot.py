@@ -223,11 +223,13 @@ def analyse(
     return report
 
 
-def ideal_collective_bytes(setup: Setup) -> float:
+def ideal_collective_bytes(setup: Setup, wire: bool = False) -> float:
     """What a step must move per device: on an fsdp mesh the compute copy gathered once (2 B
     per bf16 parameter), the fp32 gradient reduce-scattered once (4 B), Muon's bf16 update of
     its matrices gathered once (2 B) and, with a data axis too, each device's gradient shard
-    all-reduced over it; on a data-parallel mesh the fp32 gradient all-reduced (4 B)."""
+    all-reduced over it; on a data-parallel mesh the fp32 gradient all-reduced (4 B). As
+    `hlo.collectives` counts bytes; with `wire`, as the links move them (`hlo.wire_factor`:
+    (n-1)/n of a gather or reduce-scatter over n devices, 2(n-1)/n of a ring all-reduce)."""
     params = setup.state.params
     dims = fsdp.fsdp_dims(setup.shardings.params)
     labels = param_labels(params)
@@ -247,22 +249,33 @@ def ideal_collective_bytes(setup: Setup) -> float:
         is_leaf=lambda x: isinstance(x, tuple),
     )
     count, gathered, muon = (sum(column) for column in zip(*leaves))
+
+    def factor(kind: str, devices: int) -> float:
+        return hlo.wire_factor(kind, devices) if wire else 1.0
+
+    across_data = 4.0 * count / shards * factor("all-reduce", data) if data > 1 else 0.0
     if shards == 1:
-        return 4.0 * count if data > 1 else 0.0
-    return gathered + 4.0 * count + muon + (4.0 * count / shards if data > 1 else 0.0)
+        return across_data
+    fsdp_bytes = gathered * factor("all-gather", shards) + muon * factor("all-gather", shards)
+    return fsdp_bytes + 4.0 * count * factor("reduce-scatter", shards) + across_data
 
 
 def train_collectives(setup: Setup, module: hlo.Module) -> dict[str, Any]:
     """The train step's collectives per device per step against the ideal, per parameter, and
     their largest sources (kind, name scope, operand shape)."""
-    total = sum(c["bytes"] for c in hlo.collectives(module).values())
-    ideal = ideal_collective_bytes(setup)
+    kinds = hlo.collectives(module).values()
+    total, wire = sum(c["bytes"] for c in kinds), sum(c["wire_bytes"] for c in kinds)
+    ideal, ideal_wire = ideal_collective_bytes(setup), ideal_collective_bytes(setup, wire=True)
     count = param_counts(setup.spec).total
     return {
         "collective_bytes_per_step": total,
         "ideal_collective_bytes_per_step": ideal,
         "collectives_over_ideal": round(total / ideal, 3) if ideal else None,
         "collective_bytes_per_parameter": round(total / count, 2),
+        "collective_wire_bytes_per_step": wire,
+        "ideal_collective_wire_bytes_per_step": ideal_wire,
+        "wire_over_ideal": round(wire / ideal_wire, 3) if ideal_wire else None,
+        "collective_wire_bytes_per_parameter": round(wire / count, 2),
         "collective_sources": hlo.collective_sources(module, TOP_SOURCES),
     }
 
@@ -281,7 +294,7 @@ def predicted_step(setup: Setup, module: hlo.Module, report: dict[str, Any]) -> 
         matmul_flops=report["xla_matmul_flops_per_device"],
         kernel_flops=kernel_flops,
         traffic_bytes=hlo.memory_traffic(module),
-        collective_bytes=report["collective_bytes_per_step"],
+        collective_bytes=report["collective_wire_bytes_per_step"],
         model_flops_per_step=flops["analytic_per_step"],
     )
 

@@ -64,6 +64,7 @@ class Instruction:
 class Module:
     computations: dict[str, list[Instruction]]
     entry: str
+    devices: int = 1  # num_partitions x replica_count of the module's header
 
     @property
     def shapes(self) -> dict[str, str]:
@@ -127,8 +128,13 @@ def parse_instruction(line: str) -> Instruction | None:
 
 def parse(text: str) -> Module:
     computations: dict[str, list[Instruction]] = {}
-    entry, current = "", None
+    entry, current, devices = "", None, 1
     for line in text.splitlines():
+        if line.startswith("HloModule "):
+            for key in ("num_partitions", "replica_count"):
+                found = re.search(rf"\b{key}=(\d+)", line)
+                devices *= int(found[1]) if found else 1
+            continue
         header = HEADER.match(line)
         if header:
             current = header.group(2)
@@ -140,7 +146,7 @@ def parse(text: str) -> Module:
             instruction = parse_instruction(line)
             if instruction:
                 computations[current].append(instruction)
-    return Module(computations, entry)
+    return Module(computations, entry, devices)
 
 
 def called(instruction: Instruction, key: str) -> str | None:
@@ -318,8 +324,9 @@ def collective_kind(opcode: str) -> str | None:
 
 
 def collectives(module: Module) -> dict[str, dict[str, float]]:
-    """{kind: {"count": ops per step, "bytes": bytes per step}} per device: the gathered
-    result of an all-gather, the operands of the others (what each device sends in)."""
+    """{kind: {"count": ops per step, "bytes": bytes per step, "wire_bytes": ...}} per
+    device: bytes as `collective_bytes` (the gathered result of an all-gather, the operands
+    of the others), wire bytes as `wire_bytes` (what each device sends over the links)."""
     shapes = module.shapes
     out: dict[str, dict[str, float]] = {}
     for instruction, times in weighted(module):
@@ -327,10 +334,39 @@ def collectives(module: Module) -> dict[str, dict[str, float]]:
         if kind is None:
             continue
         size = collective_bytes(instruction, shapes)
-        entry = out.setdefault(kind, {"count": 0, "bytes": 0.0})
+        entry = out.setdefault(kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
         entry["count"] += times
         entry["bytes"] += times * size
+        entry["wire_bytes"] += times * wire_bytes(module, instruction, size)
     return dict(sorted(out.items()))
+
+
+def group_size(module: Module, instruction: Instruction) -> int:
+    """Devices in each of a collective's replica groups: its first explicit group
+    ({{0,1,2,3},...}), the group size of the iota form ([groups,size]<=[...]), or every
+    device of the module for {} or no groups."""
+    explicit = re.search(r"replica_groups=\{\{([\d,\s]*)\}", instruction.attributes)
+    if explicit:
+        return len([d for d in explicit[1].split(",") if d.strip()])
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", instruction.attributes)
+    return int(iota[2]) if iota else module.devices
+
+
+def wire_factor(kind: str, devices: int) -> float:
+    """What one device sends over the links per byte `collective_bytes` counts, for the
+    algorithm each collective runs on a group of `devices`: an all-gather, a reduce-scatter
+    and an all-to-all (n-1)/n of the whole array (every other device's part passes once), a
+    ring all-reduce 2(n-1)/n (a reduce-scatter, then an all-gather), a permute its operand."""
+    if kind == "collective-permute":
+        return 1.0
+    share = (devices - 1) / devices
+    return 2 * share if kind == "all-reduce" else share
+
+
+def wire_bytes(module: Module, instruction: Instruction, size: float) -> float:
+    """The link bytes of one collective of `size` bytes (`collective_bytes`)."""
+    kind = collective_kind(instruction.opcode)
+    return size * wire_factor(kind, group_size(module, instruction))
 
 
 def collective_bytes(instruction: Instruction, shapes: dict[str, str]) -> float:
@@ -354,9 +390,9 @@ def scope(instruction: Instruction) -> str:
 
 def collective_sources(module: Module, top: int = 8) -> list[dict[str, object]]:
     """The collectives per step per device grouped by kind, name scope and operand shape, the
-    largest `top` by bytes: [{kind, scope, shape, count, bytes}]."""
+    largest `top` by bytes: [{kind, scope, shape, count, bytes, wire_bytes}]."""
     shapes = module.shapes
-    groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for instruction, times in weighted(module):
         kind = collective_kind(instruction.opcode)
         if kind is None:
@@ -365,12 +401,14 @@ def collective_sources(module: Module, top: int = 8) -> list[dict[str, object]]:
         first = next(arrays(operand), None)
         shape = f"{first[0]}[{','.join(map(str, first[1]))}]" if first else "?"
         entry = groups[(kind, scope(instruction), shape)]
+        size = collective_bytes(instruction, shapes)
         entry[0] += times
-        entry[1] += times * collective_bytes(instruction, shapes)
+        entry[1] += times * size
+        entry[2] += times * wire_bytes(module, instruction, size)
     ranked = sorted(groups.items(), key=lambda item: -item[1][1])[:top]
     return [
-        {"kind": k, "scope": sc, "shape": sh, "count": c, "bytes": b}
-        for (k, sc, sh), (c, b) in ranked
+        {"kind": k, "scope": sc, "shape": sh, "count": c, "bytes": b, "wire_bytes": w}
+        for (k, sc, sh), (c, b, w) in ranked
     ]
 
 
