@@ -1,4 +1,4 @@
-"""Collectives counted as the links move them (`hlo.wire_bytes`), on hand-written HLO: each
+"""Collectives counted as the links move them (`hlo.wire_factor`), on hand-written HLO: each
 kind's algorithm over its replica groups, the group forms XLA prints, and loop weights."""
 
 import pytest
@@ -107,3 +107,41 @@ def test_async_pairs_count_once_and_loops_by_their_trips():
     counts = hlo.collectives(hlo.parse(text))["all-reduce"]
     assert counts["count"] == 3 and counts["bytes"] == 3 * 4 * MIB
     assert counts["wire_bytes"] == pytest.approx(3 * 4 * MIB * 2 * 3 / 4)
+
+
+def all_reduce_scatter_fusion(root: str) -> hlo.Module:
+    """A reduce-scatter as XLA TPU writes it: a fusion all-reducing the padded gradient over
+    8 devices, `root` the fusion's result (the partition's slice, or the whole)."""
+    return hlo.parse(
+        "HloModule m, num_partitions=8\n\n"
+        "%all-reduce-scatter (input: f32[32768,8]) -> f32[4200,8] {\n"
+        "  %input = f32[32768,8]{1,0} parameter(0)\n"
+        "  %zero = f32[] constant(0)\n"
+        "  %pad = f32[33600,8]{1,0} pad(%input, %zero), padding=0_832x0_0\n"
+        "  %ar = f32[33600,8]{1,0} all-reduce(%pad), replica_groups={{0,1,2,3,4,5,6,7}}, "
+        "to_apply=%add\n"
+        "  %id = u32[] partition-id()\n"
+        "  %rows = u32[] constant(4200)\n"
+        "  %at = u32[] multiply(%id, %rows)\n"
+        "  %col = u32[] constant(0)\n"
+        f"  ROOT %out = {root}\n"
+        "}\n\n"
+        "ENTRY %main (g: f32[32768,8]) -> f32[4200,8] {\n"
+        "  %g = f32[32768,8]{1,0} parameter(0)\n"
+        "  ROOT %f = f32[4200,8]{1,0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter, "
+        'backend_config={"collective_algorithm_config":{"emitter":'
+        '"SingleInputAllReduceScatterFusion"}}\n'
+        "}\n"
+    )
+
+
+def test_xla_tpus_all_reduce_scatter_fusion_counts_as_a_reduce_scatter():
+    padded = 33600 * 8 * 4
+    sliced = "f32[4200,8]{1,0} dynamic-slice(%ar, %at, %col), dynamic_slice_sizes={4200,8}"
+    counts = hlo.collectives(all_reduce_scatter_fusion(sliced))
+    assert list(counts) == ["reduce-scatter"] and counts["reduce-scatter"]["count"] == 1
+    assert counts["reduce-scatter"]["bytes"] == padded
+    assert counts["reduce-scatter"]["wire_bytes"] == pytest.approx(padded * 7 / 8)
+    whole = hlo.collectives(all_reduce_scatter_fusion("f32[33600,8]{1,0} copy(%ar)"))
+    assert list(whole) == ["all-reduce"]  # a fusion that keeps the reduced whole all-reduces
+    assert whole["all-reduce"]["wire_bytes"] == pytest.approx(padded * 2 * 7 / 8)

@@ -48,7 +48,11 @@ def test_chunked_loss_and_gradients_equal_the_plain_loss(chunk_tokens, vocab):
         scale = np.abs(want).max()
         assert scale > 0, path  # every parameter's gradient is live
         got = np.asarray(g[...])
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path))
+        # A scalar's gradient (smear_lambda, the per-layer lambdas) is one sum over every
+        # row, position and channel, whose terms cancel: the two programs' fp32 orders of
+        # summation move it by ~1e-4 of itself on some CPUs (AVX-512), an array's by less.
+        rtol = 1e-3 if want.size <= model.spec.n_layer else 1e-4
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 * scale, err_msg=str(path))
 
 
 @pytest.mark.parametrize("rows", [8, 3])

@@ -323,21 +323,70 @@ def collective_kind(opcode: str) -> str | None:
     return base if base in COLLECTIVES and not opcode.endswith("-done") else None
 
 
-def collectives(module: Module) -> dict[str, dict[str, float]]:
-    """{kind: {"count": ops per step, "bytes": bytes per step, "wire_bytes": ...}} per
-    device: bytes as `collective_bytes` (the gathered result of an all-gather, the operands
-    of the others), wire bytes as `wire_bytes` (what each device sends over the links)."""
-    shapes = module.shapes
-    out: dict[str, dict[str, float]] = {}
+def fusion_bodies(module: Module) -> set[str]:
+    """The computations that fusion instructions call."""
+    return {
+        body
+        for instructions in module.computations.values()
+        for i in instructions
+        if i.opcode == "fusion" and (body := called(i, "calls"))
+    }
+
+
+def scattering_all_reduces(module: Module) -> frozenset[str]:
+    """The all-reduces that run as reduce-scatters: inside a fusion whose computation slices
+    the all-reduce's result (a dynamic-slice at the partition's offset). XLA TPU writes a
+    reduce-scatter so, as an `all-reduce-scatter` fusion (its emitter in the fusion's
+    backend_config: AllReduceScatterFusion, a ring reduce-scatter), and only the slice leaves
+    the fusion: each device sends (n-1)/n of the operand and holds no reduced whole."""
+    found = set()
+    for name in fusion_bodies(module):
+        body = module.computations.get(name, [])
+        reduced = {i.name for i in body if i.opcode == "all-reduce"}
+        found |= {i.operands[0] for i in body if i.opcode == "dynamic-slice"} & reduced
+    return frozenset(found)
+
+
+def kind_in(module: Module, instruction: Instruction, scattering: frozenset[str]) -> str | None:
+    """The collective an instruction runs (`collective_kind`), a reduce-scatter for the
+    all-reduces of `scattering` (`scattering_all_reduces`)."""
+    kind = collective_kind(instruction.opcode)
+    return "reduce-scatter" if kind == "all-reduce" and instruction.name in scattering else kind
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRun:
+    """One collective op of the per-device program and how often it runs per step: its kind
+    (`kind_in`), bytes (`collective_bytes`) and wire bytes (`wire_factor` on its group)."""
+
+    instruction: Instruction
+    kind: str
+    times: int
+    bytes: float
+    wire_bytes: float
+
+
+def collective_runs(module: Module) -> Iterator[CollectiveRun]:
+    shapes, scattering = module.shapes, scattering_all_reduces(module)
     for instruction, times in weighted(module):
-        kind = collective_kind(instruction.opcode)
+        kind = kind_in(module, instruction, scattering)
         if kind is None:
             continue
         size = collective_bytes(instruction, shapes)
-        entry = out.setdefault(kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
-        entry["count"] += times
-        entry["bytes"] += times * size
-        entry["wire_bytes"] += times * wire_bytes(module, instruction, size)
+        wire = size * wire_factor(kind, group_size(module, instruction))
+        yield CollectiveRun(instruction, kind, times, size, wire)
+
+
+def collectives(module: Module) -> dict[str, dict[str, float]]:
+    """{kind: {"count": ops per step, "bytes": bytes per step, "wire_bytes": ...}} per
+    device: bytes as `collective_bytes` (the gathered result of an all-gather, the operands
+    of the others), wire bytes what each device sends over the links (`wire_factor`)."""
+    out: dict[str, dict[str, float]] = {}
+    for run in collective_runs(module):
+        entry = out.setdefault(run.kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
+        entry["count"] += run.times
+        entry["bytes"] += run.times * run.bytes
+        entry["wire_bytes"] += run.times * run.wire_bytes
     return dict(sorted(out.items()))
 
 
@@ -361,12 +410,6 @@ def wire_factor(kind: str, devices: int) -> float:
         return 1.0
     share = (devices - 1) / devices
     return 2 * share if kind == "all-reduce" else share
-
-
-def wire_bytes(module: Module, instruction: Instruction, size: float) -> float:
-    """The link bytes of one collective of `size` bytes (`collective_bytes`)."""
-    kind = collective_kind(instruction.opcode)
-    return size * wire_factor(kind, group_size(module, instruction))
 
 
 def collective_bytes(instruction: Instruction, shapes: dict[str, str]) -> float:
@@ -393,18 +436,14 @@ def collective_sources(module: Module, top: int = 8) -> list[dict[str, object]]:
     largest `top` by bytes: [{kind, scope, shape, count, bytes, wire_bytes}]."""
     shapes = module.shapes
     groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for instruction, times in weighted(module):
-        kind = collective_kind(instruction.opcode)
-        if kind is None:
-            continue
-        operand = shapes.get(instruction.operands[0], "") if instruction.operands else ""
-        first = next(arrays(operand), None)
+    for run in collective_runs(module):
+        operands = run.instruction.operands
+        first = next(arrays(shapes.get(operands[0], "")), None) if operands else None
         shape = f"{first[0]}[{','.join(map(str, first[1]))}]" if first else "?"
-        entry = groups[(kind, scope(instruction), shape)]
-        size = collective_bytes(instruction, shapes)
-        entry[0] += times
-        entry[1] += times * size
-        entry[2] += times * wire_bytes(module, instruction, size)
+        entry = groups[(run.kind, scope(run.instruction), shape)]
+        entry[0] += run.times
+        entry[1] += run.times * run.bytes
+        entry[2] += run.times * run.wire_bytes
     ranked = sorted(groups.items(), key=lambda item: -item[1][1])[:top]
     return [
         {"kind": k, "scope": sc, "shape": sh, "count": c, "bytes": b, "wire_bytes": w}

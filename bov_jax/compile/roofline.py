@@ -8,7 +8,7 @@ trip counts) and the chip's published figures (CHIPS, with their sources):
   memory       the bytes the program's ops read and write in HBM (`hlo.memory_traffic`: each
                op outside a fusion reads its operands and writes its result; arrays TPU's
                compiler placed in on-chip VMEM do not count) over the HBM bandwidth;
-  collectives  the collectives' bytes as the links move them (`hlo.wire_bytes`) over the
+  collectives  the collectives' bytes as the links move them (`hlo.wire_factor`) over the
                chip's link bandwidth in one direction: ICI for a TPU slice (every chip of a
                slice, multi-host ones too, is on ICI), NVLink within a GPU host, the network
                per GPU across GPU hosts.
