@@ -145,3 +145,37 @@ def test_xla_tpus_all_reduce_scatter_fusion_counts_as_a_reduce_scatter():
     whole = hlo.collectives(all_reduce_scatter_fusion("f32[33600,8]{1,0} copy(%ar)"))
     assert list(whole) == ["all-reduce"]  # a fusion that keeps the reduced whole all-reduces
     assert whole["all-reduce"]["wire_bytes"] == pytest.approx(padded * 2 * 7 / 8)
+
+
+def test_a_tables_psum_scatter_compiled_for_v5e_8_reads_as_a_reduce_scatter():
+    # XLA TPU compiles this psum_scatter of a scatter-added table gradient to its
+    # all-reduce-scatter fusion on v5e-8 (an all-reduce inside, the partition's rows out).
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from bov_jax.compile import targets
+
+    devices = np.array(targets.target_devices(targets.resolve_target("v5e-8")))
+    mesh = Mesh(devices.reshape(1, 8), ("data", "fsdp"))
+    rows, width = 32768, 1536  # the d24 bank; a narrow table gets a plain reduce-scatter
+
+    def table_gradient(table: jax.Array, ids: jax.Array) -> jax.Array:
+        update = jnp.ones((ids.shape[0], width), jnp.float32) * table[0, 0]
+        summed = jnp.zeros((rows, width), jnp.float32).at[ids].add(update)
+        return jax.lax.psum_scatter(summed, "fsdp", scatter_dimension=0, tiled=True)
+
+    split, batch = PartitionSpec("fsdp", None), PartitionSpec(("data", "fsdp"))
+    step = jax.shard_map(
+        table_gradient, mesh=mesh, in_specs=(split, batch), out_specs=split, check_vma=False
+    )
+    table = jax.ShapeDtypeStruct((rows, width), jnp.float32, sharding=NamedSharding(mesh, split))
+    ids = jax.ShapeDtypeStruct((512,), jnp.int32, sharding=NamedSharding(mesh, batch))
+    module = hlo.parse(jax.jit(step).lower(table, ids).compile().as_text())
+    assert hlo.scattering_all_reduces(module)  # the fusion's form, not a plain reduce-scatter
+    counts = hlo.collectives(module)
+    assert "all-reduce" not in counts and counts["reduce-scatter"]["count"] == 1
+    whole = counts["reduce-scatter"]["bytes"]
+    assert rows * width * 4 <= whole <= 1.05 * rows * width * 4  # padded rows at most 5%
+    assert counts["reduce-scatter"]["wire_bytes"] == pytest.approx(whole * 7 / 8)
