@@ -119,6 +119,38 @@ def test_one_micro_batch_costs_half_of_two():
     assert 2 * model[0] == pytest.approx(model[1], rel=1e-3)
 
 
+def test_a_step_recomputed_for_memory_says_what_held_the_plain_step_back(monkeypatch):
+    """remat=auto with a chip share so small that the plain step cannot fit: the step is
+    compiled twice, the blocks recomputed, and the report holds the plain step's peak split
+    by buffer (summing to it), the memory recomputation frees and the FLOPs it costs."""
+    from bov_jax.compile.__main__ import held_back_line
+    from bov_jax.train import fsdp
+
+    monkeypatch.setattr(fsdp, "FIT_SHARE_OF_HBM", 1e-6)
+    config = tiny_tpu_config()
+    config.train.remat = "auto"
+    step = run(config, Options(target="v5e-4", steps=("train",)), log=None)["steps"]["train"]
+    assert step["schedule"]["remat"]
+    held = step["without_remat"]
+    buffers = held["buffers_bytes"]
+    assert list(buffers) == [
+        "sharded state",
+        "compute copy",
+        "gradient accumulator",
+        "micro-batch gradients",
+        "activations and workspace",
+    ]
+    assert sum(buffers.values()) / 2**30 == pytest.approx(held["peak_gib"], rel=1e-9)
+    assert min(buffers.values()) > 0
+    # fp32 sums of the bf16-gathered matrices, bf16 sums of the tables gathered as stored
+    assert buffers["compute copy"] < buffers["gradient accumulator"] < 2 * buffers["compute copy"]
+    assert held["peak_gib"] - held["recomputation_frees_gib"] == pytest.approx(
+        step["memory_gib"]["peak"], abs=1e-3
+    )
+    assert held["recomputation_flops_over_plain"] > 1.05  # the forward of each block twice
+    assert held_back_line(held).startswith("  without recomputation: peak ")
+
+
 def test_decode_engine_compiles_for_the_target(report):
     for name in ("prefill", "decode"):
         step = report["steps"][name]

@@ -61,6 +61,17 @@ def fsdp_schedule(schedule: dict) -> str:
     return f"gathered per {schedule['gather']}{remat}"
 
 
+def held_back_line(held: dict) -> str:
+    """'  without recomputation: peak 16.69 GiB = sharded state 1.00 + ...' from a report."""
+    parts = " + ".join(f"{name} {b / 2**30:.2f}" for name, b in held["buffers_bytes"].items())
+    line = (
+        f"  without recomputation: peak {held['peak_gib']:.2f} GiB = {parts}; recomputing the "
+        f"blocks frees {held['recomputation_frees_gib']:.2f} GiB"
+    )
+    ratio = held["recomputation_flops_over_plain"]
+    return line + (f" for {ratio - 1:.1%} more model FLOPs" if ratio else "")
+
+
 def summary_lines(report: dict) -> list[str]:
     """The report as a few readable lines."""
     lines = [
@@ -111,6 +122,8 @@ def summary_lines(report: dict) -> list[str]:
                 f"{c['bytes'] / 2**30:.3f} GiB ({c['wire_bytes'] / 2**30:.3f} on the wire)"
                 for c in step["collective_sources"][:4]
             ]
+        if "without_remat" in step:
+            lines.append(held_back_line(step["without_remat"]))
         if "prediction" in step:
             pr = step["prediction"]
             bounds = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in pr["bounds_seconds"].items())

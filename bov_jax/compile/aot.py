@@ -366,7 +366,31 @@ def train_report(setup: Setup, margin: float, hlo_dir: str | None = None) -> dic
         peak_bytes(schedule)
     report = reports[schedule.remat]
     report["schedule"] = dataclasses.asdict(schedule)
+    if schedule.remat and False in reports:
+        report["without_remat"] = held_back(setup, reports[False], report)
     return report
+
+
+def held_back(setup: Setup, plain: dict[str, Any], recomputed: dict[str, Any]) -> dict[str, Any]:
+    """What keeps the step compiled without recomputation (`plain`) from fitting, by buffer
+    (bytes per device): the sharded state, the step's buffers (`fsdp.step_buffers`) and the
+    rest of its peak (the activations kept for the backward, and workspace); what recomputing
+    the blocks (`recomputed`) frees of it (GiB), and the model FLOPs it costs."""
+    peak = plain["memory_gib"]["peak"]
+    buffers = {"sharded state": float(fsdp.per_device_bytes(setup.state))}
+    step = fsdp.step_buffers(setup.state.params, setup.spec.compute_dtype)
+    buffers.update({name: float(size) for name, size in step.items()})
+    buffers["activations and workspace"] = peak * GIB - sum(buffers.values())
+    flops = plain.get("flops", {}).get("xla_model_per_step")
+    return {
+        "peak_gib": peak,
+        "buffers_bytes": buffers,
+        "recomputation_frees_gib": round(peak - recomputed["memory_gib"]["peak"], 4),
+        "model_flops_per_step": flops,
+        "recomputation_flops_over_plain": (
+            round(recomputed["flops"]["xla_model_per_step"] / flops, 4) if flops else None
+        ),
+    }
 
 
 def compile_steps(

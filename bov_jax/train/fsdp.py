@@ -84,16 +84,29 @@ def transfer_dtype(path: tuple, x: Any, compute_dtype: Any) -> jnp.dtype:
     return jnp.dtype(compute_dtype if getattr(path[-1], "key", None) == "kernel" else x.dtype)
 
 
+def step_buffers(params: Any, compute_dtype: Any) -> dict[str, int]:
+    """Bytes per device that step holds beside the sharded state, by buffer: the gathered
+    compute copy, the gradient accumulator (in each parameter's dtype) and one micro-batch's
+    gradients while they are added to it (the size of the compute copy)."""
+
+    def sizes(path: tuple, x: Any) -> tuple[int, int]:
+        n = math.prod(x.shape)
+        return n * transfer_dtype(path, x, compute_dtype).itemsize, n * jnp.dtype(x.dtype).itemsize
+
+    leaves = jax.tree.leaves(
+        jax.tree_util.tree_map_with_path(sizes, params), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    copy, accumulator = (sum(column) for column in zip(*leaves))
+    return {
+        "compute copy": copy,
+        "gradient accumulator": accumulator,
+        "micro-batch gradients": copy,
+    }
+
+
 def step_bytes(params: Any, compute_dtype: Any) -> int:
-    """Bytes per device that step holds beside the sharded state: the gathered compute copy,
-    the gradient accumulator (in each parameter's dtype) and one micro-batch's gradients
-    while they are added to it (the size of the compute copy)."""
-
-    def one(path: tuple, x: Any) -> int:
-        copy = transfer_dtype(path, x, compute_dtype).itemsize
-        return math.prod(x.shape) * (2 * copy + jnp.dtype(x.dtype).itemsize)
-
-    return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(one, params)))
+    """All of `step_buffers`."""
+    return sum(step_buffers(params, compute_dtype).values())
 
 
 def per_device_bytes(tree: Any) -> int:
