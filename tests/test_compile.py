@@ -6,6 +6,7 @@ loop; the tests read that report. The detectors it relies on (an interpreted ker
 whole-batch logits buffer) are each shown to fire on a program that has the thing.
 """
 
+import dataclasses
 import subprocess
 import sys
 
@@ -25,23 +26,23 @@ from bov_jax.model.spec import ModelSpec
 LAYERS, SEQ, ROWS = 2, 128, 2  # rows per device per micro-batch
 
 
-def tiny_tpu_config():
+def tiny_tpu_config(seq_len: int = SEQ):
     """Width 64 (two heads of 32), vocab 320 (160 per tensor shard), a loss chunk of 32
     positions, 2 micro-batches of 2 rows per device on data 1 x fsdp 2 x tensor 2."""
     config = tiny_config(
         "d12_bov",
         depth=LAYERS,
-        seq_len=SEQ,
+        seq_len=seq_len,
         vocab_size=320,
         short_window=32,
         attention_impl="auto",
         compute_dtype="auto",
-        loss_chunk_tokens=SEQ,
+        loss_chunk_tokens=seq_len,
     )
     config.mesh.update(data=1, fsdp=2, tensor=2)
     t = config.train
     t.num_steps, t.device_batch_size = 10, ROWS
-    t.total_batch_tokens = 2 * ROWS * 2 * SEQ  # 2 micro-batches over the 2 fsdp devices
+    t.total_batch_tokens = 2 * ROWS * 2 * seq_len  # 2 micro-batches over the 2 fsdp devices
     return config
 
 
@@ -119,19 +120,38 @@ def test_one_micro_batch_costs_half_of_two():
     assert 2 * model[0] == pytest.approx(model[1], rel=1e-3)
 
 
-def test_a_step_recomputed_for_memory_says_what_held_the_plain_step_back(monkeypatch):
-    """remat=auto with a chip share so small that the plain step cannot fit: the step is
-    compiled twice, the blocks recomputed, and the report holds the plain step's peak split
-    by buffer (summing to it), the memory recomputation frees and the FLOPs it costs."""
+def test_find_rows_prefers_fewer_rows_to_recomputation(monkeypatch):
+    """On a chip whose memory holds the plain step at 1 row per micro-batch but not at 2,
+    --find_rows with train.remat=auto picks 1 row without recomputation (the same FLOPs in
+    more micro-batches) over 2 rows recomputed, and says what that saves: the recomputed
+    step at 2 rows does more model FLOPs. Rows of 1024 positions, for activations that the
+    report's peaks (to 1e-4 GiB) tell apart."""
+    from bov_jax.compile import report as report_module
     from bov_jax.compile.__main__ import held_back_line
-    from bov_jax.train import fsdp
 
-    monkeypatch.setattr(fsdp, "FIT_SHARE_OF_HBM", 1e-6)
-    config = tiny_tpu_config()
+    peaks = {}
+    for rows in (1, 2):
+        config = tiny_tpu_config(seq_len=1024)
+        config.train.remat = "none"
+        options = Options(target="v5e-4", steps=("train",), device_batch_size=rows)
+        peaks[rows] = run(config, options, log=None)["peak_memory_gib"]
+    assert peaks[1] < peaks[2]
+    real = targets.resolve_target("v5e-4")
+    between = int((peaks[1] + peaks[2]) / 2 / 0.9 * 2**30)  # fits 90%: 1 row, not 2
+    monkeypatch.setattr(
+        report_module, "resolve_target", lambda *a: dataclasses.replace(real, hbm_bytes=between)
+    )
+    config = tiny_tpu_config(seq_len=1024)
     config.train.remat = "auto"
-    step = run(config, Options(target="v5e-4", steps=("train",)), log=None)["steps"]["train"]
-    assert step["schedule"]["remat"]
-    held = step["without_remat"]
+    found = run(config, Options(target="v5e-4", steps=("train",), find_rows=True), log=None)
+    assert found["find_rows"]["largest_fitting"] == found["device_batch_size"] == 1
+    step = found["steps"]["train"]
+    assert step["fits"] and not step["schedule"]["remat"]
+    alternative = step["recomputed_alternative"]
+    assert alternative["device_batch_size"] == 2 and alternative["remat"]
+    assert alternative["flops_saved"] > 0.05  # each block's forward done twice at 2 rows
+    # What held the plain step at 2 rows back, by buffer, summing to its peak.
+    held = alternative["without_remat"]
     buffers = held["buffers_bytes"]
     assert list(buffers) == [
         "sharded state",
@@ -140,14 +160,15 @@ def test_a_step_recomputed_for_memory_says_what_held_the_plain_step_back(monkeyp
         "micro-batch gradients",
         "activations and workspace",
     ]
+    assert held["peak_gib"] == peaks[2]
     assert sum(buffers.values()) / 2**30 == pytest.approx(held["peak_gib"], rel=1e-9)
     assert min(buffers.values()) > 0
     # fp32 sums of the bf16-gathered matrices, bf16 sums of the tables gathered as stored
     assert buffers["compute copy"] < buffers["gradient accumulator"] < 2 * buffers["compute copy"]
     assert held["peak_gib"] - held["recomputation_frees_gib"] == pytest.approx(
-        step["memory_gib"]["peak"], abs=1e-3
+        alternative["peak_gib"], abs=1e-3
     )
-    assert held["recomputation_flops_over_plain"] > 1.05  # the forward of each block twice
+    assert held["recomputation_flops_over_plain"] > 1.05
     assert held_back_line(held).startswith("  without recomputation: peak ")
 
 

@@ -124,6 +124,16 @@ def summary_lines(report: dict) -> list[str]:
             ]
         if "without_remat" in step:
             lines.append(held_back_line(step["without_remat"]))
+        if "recomputed_alternative" in step:
+            alt = step["recomputed_alternative"]
+            lines.append(
+                f"  no recomputation at {count(report['device_batch_size'], 'row')}: "
+                f"{alt['flops_saved']:.1%} fewer model FLOPs per step than "
+                f"{count(alt['device_batch_size'], 'row')} with "
+                + ("the blocks recomputed" if alt["remat"] else "no recomputation")
+                + f" (peak {alt['peak_gib']:.2f} GiB, "
+                + ("fits)" if alt["fits"] else "does not fit)")
+            )
         if "prediction" in step:
             pr = step["prediction"]
             bounds = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in pr["bounds_seconds"].items())

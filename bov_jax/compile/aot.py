@@ -347,25 +347,34 @@ def train_flops(setup: Setup, layout: BatchLayout, module: hlo.Module) -> dict[s
     }
 
 
-def train_report(setup: Setup, margin: float, hlo_dir: str | None = None) -> dict[str, Any]:
+def train_report(
+    setup: Setup,
+    margin: float,
+    hlo_dir: str | None = None,
+    recompute: bool = True,
+    plain: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The train step's report with the schedule `main` would choose on the target: train.remat
     =auto recomputes the blocks only where the step compiled without it does not fit
-    (`fsdp.fit_remat`; the step is then compiled twice)."""
-    reports: dict[bool, dict[str, Any]] = {}
+    (`fsdp.fit_remat`; the step is then compiled twice). With `recompute` False the step is
+    compiled without recomputation whatever its peak; `plain`, that step's report where it
+    was compiled already."""
+    reports: dict[bool, dict[str, Any]] = {} if plain is None else {False: plain}
 
     def peak_bytes(schedule: fsdp.StepSchedule) -> float:
-        report = analyse(setup, "train", lowered_train(setup, schedule), margin, hlo_dir)
-        reports[schedule.remat] = report
-        peak = report["memory_gib"]["peak"]
+        if schedule.remat not in reports:
+            lowered = lowered_train(setup, schedule)
+            reports[schedule.remat] = analyse(setup, "train", lowered, margin, hlo_dir)
+        peak = reports[schedule.remat]["memory_gib"]["peak"]
         return math.inf if peak is None else peak * GIB
 
-    schedule = fsdp.fit_remat(
-        setup.schedule(), setup.config.train.remat, setup.target.hbm_bytes, peak_bytes
-    )
-    if schedule.remat not in reports:
-        peak_bytes(schedule)
-    report = reports[schedule.remat]
-    report["schedule"] = dataclasses.asdict(schedule)
+    schedule = setup.schedule()
+    if recompute:
+        schedule = fsdp.fit_remat(
+            schedule, setup.config.train.remat, setup.target.hbm_bytes, peak_bytes
+        )
+    peak_bytes(schedule)
+    report = dict(reports[schedule.remat], schedule=dataclasses.asdict(schedule))
     if schedule.remat and False in reports:
         report["without_remat"] = held_back(setup, reports[False], report)
     return report
@@ -421,9 +430,33 @@ def row_candidates(setup: Setup) -> list[int]:
 def largest_fitting_rows(
     setup: Setup, margin: float, log: Any = print
 ) -> tuple[int | None, dict[int, dict]]:
-    """Binary search over `row_candidates` for the largest device_batch_size whose train
-    step fits (memory grows with the rows); returns it (None if even 1 row does not fit)
-    and the train report of every size tried."""
+    """The largest device_batch_size whose train step fits (None if even 1 row does not) and
+    the train report of every size tried. With train.remat=auto, steps without recomputation
+    are searched first: fewer rows per micro-batch and more micro-batches do the same FLOPs,
+    recomputing every block does more. Only where not even 1 row fits so is the search run
+    again with recomputation. Where a size fits without it, the next larger size tried is
+    compiled with recomputation too, and the chosen size's report says the FLOPs that saves
+    (`recomputed_alternative`)."""
+    auto = setup.config.train.remat == "auto"
+    best, tried = search_rows(setup, margin, log, recompute=not auto)
+    if auto and best is None:
+        log("  not even 1 row fits without recomputation; searching with it")
+        return search_rows(setup, margin, log, recompute=True)
+    larger = [rows for rows in sorted(tried) if best is not None and rows > best]
+    if auto and larger:
+        setup.config.train.device_batch_size = larger[0]
+        recomputed = train_report(setup, margin, plain=tried[larger[0]])
+        tried[best]["recomputed_alternative"] = recomputed_alternative(
+            larger[0], recomputed, tried[best]
+        )
+    return best, tried
+
+
+def search_rows(
+    setup: Setup, margin: float, log: Any, recompute: bool
+) -> tuple[int | None, dict[int, dict]]:
+    """Binary search over `row_candidates` for the largest size whose train step fits
+    (memory grows with the rows), `train_report(recompute=...)` at each."""
     candidates = row_candidates(setup)
     tried: dict[int, dict] = {}
     low, high, best = 0, len(candidates) - 1, None
@@ -431,10 +464,12 @@ def largest_fitting_rows(
         middle = (low + high) // 2
         rows = candidates[middle]
         setup.config.train.device_batch_size = rows
-        tried[rows] = compile_steps(setup, ("train",), margin)["train"]
+        tried[rows] = train_report(setup, margin, recompute=recompute)
         peak = tried[rows]["memory_gib"]["peak"]
         log(
-            f"  device_batch_size={rows}: peak "
+            f"  device_batch_size={rows}"
+            + ("" if recompute else " without recomputation")
+            + ": peak "
             + (f"{peak:.2f} GiB, " if peak is not None else "unknown, ")
             + ("fits" if tried[rows]["fits"] else "does not fit")
             + f" ({tried[rows]['compile_seconds']:.0f} s)"
@@ -444,6 +479,22 @@ def largest_fitting_rows(
         else:
             high = middle - 1
     return best, tried
+
+
+def recomputed_alternative(rows: int, recomputed: dict, chosen: dict) -> dict[str, Any]:
+    """The step at `rows` rows per micro-batch as train.remat=auto compiles it (`recomputed`)
+    against the chosen step compiled without recomputation: its peak, schedule, what held
+    its plain step back (`held_back`) and the model FLOPs per step the chosen one saves."""
+    alternative = recomputed["flops"]["xla_model_per_step"]
+    return {
+        "device_batch_size": rows,
+        "remat": recomputed["schedule"]["remat"],
+        "fits": recomputed["fits"],
+        "peak_gib": recomputed["memory_gib"]["peak"],
+        "model_flops_per_step": alternative,
+        "flops_saved": round(1 - chosen["flops"]["xla_model_per_step"] / alternative, 4),
+        "without_remat": recomputed.get("without_remat"),
+    }
 
 
 def mesh_summary(setup: Setup) -> dict[str, Any]:
