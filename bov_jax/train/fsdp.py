@@ -169,7 +169,7 @@ def fit_remat(
     note = (
         f"without recomputation the step needs {peak / GIB:.2f} GiB "
         f"{'<=' if fits else '>'} {FIT_SHARE_OF_HBM:.0%} of {hbm_bytes / GIB:.1f} GiB"
-    )
+    ) + ("" if fits else " (fewer rows may fit without it: python -m bov_jax.compile --find_rows)")
     reason = "; ".join(r for r in (schedule.reason, note) if r and r != "as configured")
     return dataclasses.replace(schedule, remat=not fits, reason=reason)
 
