@@ -31,6 +31,7 @@ ROWS=(
   "d24_h100x8|gpu|--config=configs/d24.py --target=h100 --gpus=8 $DP --device_batch_size=8"
   "d24_bov_h100x8|gpu|--config=configs/d24_bov.py --target=h100 --gpus=8 $DP --device_batch_size=8"
   "d24_bov_h200x8|gpu|--config=configs/d24_bov.py --target=h200 --gpus=8 $DP --device_batch_size=16"
+  "d24_bov_h200x8_fsdp8|gpu|--config=configs/d24_bov.py --target=h200 --gpus=8 $FS --device_batch_size=16"
   "d24_bov_h200x1_8x8|gpu|--config=configs/d24_bov.py --target=h200 --gpus=1 --config.train.total_batch_tokens=131072 --device_batch_size=8"
   "d32_bov_v5p-64_fsdp32|tpu|--config=configs/d24_bov.py --config.model.depth=32 --target=v5p-64 --config.mesh.data=1 --config.mesh.fsdp=32 --device_batch_size=16"
   "quickstart_v5e-4|tpu|--config=configs/quickstart.py --target=v5e-4 $DP --device_batch_size=2"

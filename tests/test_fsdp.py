@@ -5,7 +5,8 @@ block is the identity) and unevenly ignored targets (each device weighs its rows
 of the valid targets): the loss and the gradients agree to fp32 rounding, and so do the
 updated parameters, but for Muon's matrices (MUON_NOISE). Both gather schedules, the baseline
 and BoV, two micro-batches, and a checkpoint round trip between two steps. Compiled, the
-step's collective bytes do not grow with the micro-batches, and they stay near the ideal.
+step's collective bytes do not grow with the micro-batches, and they stay near the ideal. The
+reduce-scatter in torus stages (what a 3-D TPU slice runs) trains the same.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from bov_jax.accounting import training_plan
 from bov_jax.compile import hlo
 from bov_jax.model.spec import ModelSpec
 from bov_jax.train import fsdp as fsdp_module
+from bov_jax.train import torus
 from bov_jax.train.checkpoint import Checkpoints
 from bov_jax.train.fsdp import StepSchedule
 from bov_jax.train.optim import param_labels
@@ -136,6 +138,28 @@ def test_fsdp_step_equals_the_data_parallel_step(data_parallel, preset, mesh_sha
 def test_fsdp_step_resumes_from_a_checkpoint_as_it_goes_on(data_parallel, tmp_path, gather):
     got = gradients_and_steps("d12_bov", (1, 8, 1), gather, restart_after=tmp_path)
     assert_same_training(data_parallel["d12_bov"], got, param_labels(got[3]))
+
+
+def test_fsdp_step_reduce_scattering_in_torus_stages_equals_the_data_parallel_step(
+    data_parallel, monkeypatch
+):
+    """The stages a 2x2x2 TPU torus gets (the 8 fsdp devices listed as make_mesh lists such a
+    slice), on the 8 CPU devices: the same training, and the step's reduce-scatters run over
+    the stages' groups (2 devices, then 4) instead of all 8."""
+    listed = np.array([[[i // 4, i // 2 % 2, i % 2] for i in range(8)]])
+    stages = torus.stages_for(listed)
+    monkeypatch.setattr(torus, "scatter_stages", lambda mesh, axis: stages)
+    got = gradients_and_steps("d12_bov", (1, 8, 1), "layer")
+    assert_same_training(data_parallel["d12_bov"], got, param_labels(got[3]))
+    _, mesh, graphdef, state, shardings, tx = setup("d12_bov", (1, 8, 1))
+    step = make_train_step(graphdef, tx, shardings, mesh, schedule=StepSchedule("layer"))
+    module = hlo.parse(step.lower(state, next(batches(mesh, steps=1))).compile().as_text())
+    groups = {
+        hlo.group_size(module, run.instruction)
+        for run in hlo.collective_runs(module)
+        if run.kind == "reduce-scatter"
+    }
+    assert groups == {2, 4}
 
 
 def compiled_collective_bytes(accum: int, gather: str) -> float:

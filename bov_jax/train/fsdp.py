@@ -12,7 +12,8 @@ bytes per parameter are needed. `sharded_gradients` is a `jax.shard_map` over th
          stored, lm_head gathered in the compute dtype and differentiated in its own) is
          gathered once per step, before the micro-batch loop, and kept for every micro-batch;
          each device accumulates the gradient of its rows over the micro-batches in each
-         parameter's dtype; one reduce-scatter over fsdp in fp32 and one all-reduce of the
+         parameter's dtype; one reduce-scatter over fsdp in fp32 (in two stages where the
+         fsdp devices span three torus dimensions: `torus`) and one all-reduce of the
          shards over data at the end. Bytes per device per step: the gathered copy (2 B per
          bf16 parameter) and the fp32 gradient (4 B), whatever the number of micro-batches.
   layer  for models whose compute copy and fp32 gradient do not fit beside the activations:
@@ -48,6 +49,7 @@ from bov_jax.config import FSDP_GATHER_MODES, REMAT_MODES
 from bov_jax.model.gpt import dense_kernels_in
 from bov_jax.model.spec import ModelSpec
 from bov_jax.model.tables import add_rows, embedding_paths
+from bov_jax.train import torus
 
 STEP_SHARE_OF_HBM = 0.65  # of the chip's memory: the state and step's copy, accumulator, grads
 FIT_SHARE_OF_HBM = 0.9  # of the chip's memory: beyond it the blocks are recomputed (auto)
@@ -225,33 +227,39 @@ def gather(x: jax.Array, dim: int, dtype: Any) -> jax.Array:
     return x if dim < 0 else jax.lax.all_gather(x, FSDP, axis=dim, tiled=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather_reducing_fp32(x: jax.Array, dim: int, dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_reducing_fp32(
+    x: jax.Array, dim: int, dtype: Any, stages: tuple[torus.Groups, ...]
+) -> jax.Array:
     """`gather` whose transpose reduce-scatters the cotangent in fp32 (layer): the stored shard
-    x (fp32) travels in `dtype` (bf16), its gradient comes back summed in fp32."""
+    x (fp32) travels in `dtype` (bf16), its gradient comes back summed in fp32, reduce-scattered
+    in `stages` (`torus.reduce_scatter`)."""
     return gather(x, dim, dtype)
 
 
-def _gather_fwd(x, dim, dtype):
+def _gather_fwd(x, dim, dtype, stages):
     return gather(x, dim, dtype), jnp.zeros((), x.dtype)
 
 
-def _gather_bwd(dim, dtype, stored, g):
+def _gather_bwd(dim, dtype, stages, stored, g):
     g = g.astype(jnp.float32)
     if dim >= 0:
-        g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
+        g = torus.reduce_scatter(g, FSDP, dim, stages)
     return (g.astype(stored.dtype),)
 
 
 gather_reducing_fp32.defvjp(_gather_fwd, _gather_bwd)
 
 
-def reduce(g: jax.Array, dim: int, axes: tuple[str, ...]) -> jax.Array:
+def reduce(
+    g: jax.Array, dim: int, axes: tuple[str, ...], stages: tuple[torus.Groups, ...] = ()
+) -> jax.Array:
     """Sum a gradient over the devices of `axes`, in fp32: scattered over fsdp along `dim`
-    (>= 0), summed over the rest (all of `axes` for a parameter with no fsdp dimension)."""
+    (>= 0, in `stages`: `torus.reduce_scatter`), summed over the rest (all of `axes` for a
+    parameter with no fsdp dimension)."""
     g = g.astype(jnp.float32)
     if dim >= 0:
-        g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
+        g = torus.reduce_scatter(g, FSDP, dim, stages)
     rest = tuple(a for a in axes if dim < 0 or a != FSDP)
     return jax.lax.psum(g, rest) if rest else g
 
@@ -332,12 +340,17 @@ def accumulate(
     return loss, with_leaves(dense_sum, {paths[role]: g for role, g in table_sums.items()})
 
 
-def block_runner(gather_dims: Callable[[nnx.State], Any] | None, compute_dtype: Any, remat: bool):
+def block_runner(
+    gather_dims: Callable[[nnx.State], Any] | None,
+    compute_dtype: Any,
+    remat: bool,
+    stages: tuple[torus.Groups, ...] = (),
+):
     """How each block runs inside the micro-batch, or None for a plain call. With
     `gather_dims` (layer): its parameters, this device's shards, gathered when it runs and once
     more in its backward (`jax.checkpoint` keeps the gathered weights out of the residuals),
-    their gradients reduce-scattered in fp32. With `remat`: nothing of the block kept but its
-    inputs, its forward run again in the backward."""
+    their gradients reduce-scattered in fp32 (in `stages`). With `remat`: nothing of the block
+    kept but its inputs, its forward run again in the backward."""
     if gather_dims is None and not remat:
         return None
     policy = (
@@ -354,7 +367,7 @@ def block_runner(gather_dims: Callable[[nnx.State], Any] | None, compute_dtype: 
             def one(path: tuple, x: jax.Array, dim: int) -> jax.Array:
                 dtype = transfer_dtype(path, x, compute_dtype)
                 return jax.ad_checkpoint.checkpoint_name(
-                    gather_reducing_fp32(x, dim, dtype), GATHERED
+                    gather_reducing_fp32(x, dim, dtype, stages), GATHERED
                 )
 
             whole = local if dims is None else jax.tree_util.tree_map_with_path(one, local, dims)
@@ -387,6 +400,7 @@ def sharded_gradients(
     batch_axes = sharding.BATCH_AXES
     others = tuple(a for a in batch_axes if a != FSDP)
     dims = fsdp_dims(param_shardings)
+    stages = torus.scatter_stages(mesh, FSDP)
 
     def local_gradients(params: Any, inputs: jax.Array, targets: jax.Array):
         valid = jnp.sum(targets >= 0, axis=(1, 2))  # (accum,): this device's valid targets
@@ -416,15 +430,17 @@ def sharded_gradients(
             targets,
             shares,
             params,
-            run_block=block_runner(gather_dims, compute_dtype, schedule.remat),
+            run_block=block_runner(gather_dims, compute_dtype, schedule.remat, stages),
             # layer: the blocks' tables stay sharded; their gradients leave per block
             by_rows=lambda path: mode == "step" or path[0] != "blocks",
         )
         if mode == "step":
-            reduced = jax.tree.map(lambda g, dim: reduce(g, dim, batch_axes), grads, dims)
+            reduced = jax.tree.map(lambda g, dim: reduce(g, dim, batch_axes, stages), grads, dims)
         else:  # the blocks' gradients left their gathers scattered over fsdp already
             reduced = {
-                k: jax.tree.map(lambda g, dim: reduce(g, dim, batch_axes), grads[k], dims[k])
+                k: jax.tree.map(
+                    lambda g, dim: reduce(g, dim, batch_axes, stages), grads[k], dims[k]
+                )
                 for k in grads
                 if k != "blocks"
             }
