@@ -67,9 +67,10 @@ def _stage_groups(n: int, size: int, stride: int) -> Groups:
 
 
 def scatter_stages(mesh: jax.sharding.Mesh, axis: str) -> tuple[Groups, ...]:
-    """`stages_for` the devices of `mesh` along `axis`; () off TPU."""
+    """`stages_for` the devices of `mesh` along `axis`; () off TPU and on fewer than the 8
+    devices that three torus dimensions take."""
     devices = mesh.devices
-    if devices.flat[0].platform != "tpu" or mesh.shape[axis] < 4:
+    if devices.flat[0].platform != "tpu" or mesh.shape[axis] < 8:
         return ()
     along = np.moveaxis(devices, mesh.axis_names.index(axis), -1)
     along = along.reshape(-1, mesh.shape[axis])
