@@ -344,7 +344,7 @@ def block_runner(
     gather_dims: Callable[[nnx.State], Any] | None,
     compute_dtype: Any,
     remat: bool,
-    stages: tuple[torus.Groups, ...] = (),
+    stages: tuple[torus.Groups, ...],
 ):
     """How each block runs inside the micro-batch, or None for a plain call. With
     `gather_dims` (layer): its parameters, this device's shards, gathered when it runs and once
