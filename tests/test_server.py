@@ -21,7 +21,7 @@ from bov_jax.data.config import EMBEDDED_DIR
 from bov_jax.data.tokenizer import load_tokenizer
 from bov_jax.inference.engine import Engine, EngineConfig
 from bov_jax.inference.sampling import SamplingParams
-from bov_jax.inference.server import running_server
+from bov_jax.serve.running import running_server
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = load_tokenizer(EMBEDDED_DIR / "tokenizer")
@@ -204,7 +204,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def free_port() -> int:
-    from bov_jax.inference.server import bound_socket
+    from bov_jax.serve.running import bound_socket
 
     with bound_socket("127.0.0.1", 0) as sock:
         return sock.getsockname()[1]

@@ -42,10 +42,10 @@ from bov_jax.errors import UserError
 from bov_jax.files import write_json_atomic
 from bov_jax.inference.engine import Engine, EngineConfig
 from bov_jax.inference.layout import CacheLayout
-from bov_jax.inference.server import running_server
 from bov_jax.model.gpt import GPT
 from bov_jax.model.spec import ModelSpec
 from bov_jax.presets import config_for
+from bov_jax.serve.running import running_server
 
 MIB = 2**20
 METRICS_POLL_S = 0.1

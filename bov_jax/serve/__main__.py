@@ -65,7 +65,7 @@ def load(f: flags.FlagValues):
 def main(argv: list[str]) -> None:
     from bov_jax.inference.engine import Engine, EngineConfig
     from bov_jax.inference.layout import CacheLayout
-    from bov_jax.inference.server import serve
+    from bov_jax.serve.running import serve
 
     del argv
     f = flags.FLAGS
