@@ -27,6 +27,7 @@ manager swaps such pages for a null block, as `allocator` does here with page 0)
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -152,11 +153,20 @@ class CacheLayout:
         return sum(self.token_bytes(p) for p in self.pools)
 
     def live_pages(self, group: int, length: int, chunk: int = 1) -> int:
-        """The most pages of `group` a sequence of `length` tokens holds at once, computed
-        `chunk` tokens per call: the pages from the one holding position n - reach to the
-        one holding n + chunk - 1, at most all of them."""
+        """The most pages of `group` a sequence of `length` tokens holds at once, computed in
+        calls of `chunk` tokens from position 0 (the last call: what is left), as the
+        allocator holds them: a call at n keeps the pages from the one holding n - reach to
+        the one holding n + chunk - 1. Past the reach the count repeats every
+        lcm(chunk, P) positions, so the calls up to one such period past it decide."""
         reach, size = self.groups[group].reach, self.page_size
-        return min(-(-length // size), (reach + chunk - 1) // size + 2)
+
+        def held(start: int) -> int:
+            end = min(start + chunk, length)
+            return -(-end // size) - max(0, start - reach) // size
+
+        period = math.lcm(chunk, size)
+        starts = range(0, min(length, reach + period + chunk), chunk)
+        return max(held(n) for n in (*starts, (length - 1) // chunk * chunk))
 
     def sequence_bytes(self, length: int, chunk: int = 1) -> int:
         """The most bytes of pages a sequence of `length` tokens holds at once."""

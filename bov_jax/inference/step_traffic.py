@@ -9,7 +9,9 @@ the parts they read; every other op as `hlo.op_traffic` counts it.
 
 from __future__ import annotations
 
+import collections
 import math
+from collections.abc import Iterator
 
 from bov_jax.compile import hlo
 
@@ -50,18 +52,45 @@ def kernel_bytes(instruction: hlo.Instruction, shapes: dict[str, str]) -> float:
     return paged_kernel_bytes([s for s in operands if s], instruction.shape)
 
 
-def decode_step_bytes(module: hlo.Module) -> float:
-    """Bytes one step reads and writes in HBM (loops weighted by their trips)."""
-    shapes, total = module.shapes, 0.0
+def is_kernel(instruction: hlo.Instruction) -> bool:
+    return instruction.opcode == "custom-call" and any(
+        call in instruction.attributes for call in KERNEL_CALLS
+    )
+
+
+def op_bytes(module: hlo.Module) -> Iterator[tuple[hlo.Instruction, float]]:
+    """Each op that moves data with the bytes it reads and writes a step (loops weighted by
+    their trips)."""
+    shapes = module.shapes
     for name, times in hlo.control_flow_multiplicities(module).items():
         for instruction in module.computations[name]:
             if not hlo.moves_data(instruction):
                 continue
-            kernel = instruction.opcode == "custom-call" and any(
-                call in instruction.attributes for call in KERNEL_CALLS
-            )
-            if kernel:
-                total += times * kernel_bytes(instruction, shapes)
+            if is_kernel(instruction):
+                yield instruction, times * kernel_bytes(instruction, shapes)
             else:
-                total += times * hlo.op_traffic(module, instruction, shapes)
-    return total
+                yield instruction, times * hlo.op_traffic(module, instruction, shapes)
+
+
+def decode_step_bytes(module: hlo.Module) -> float:
+    """Bytes one step reads and writes in HBM (loops weighted by their trips)."""
+    return sum(moved for _, moved in op_bytes(module))
+
+
+def source(module: hlo.Module, instruction: hlo.Instruction) -> str:
+    """What an op is, for people: the jax primitive it was traced from and the HLO op it
+    became ('gather as fusion(reshape)', 'dot_general as fusion(reduce)', 'pallas_call as
+    custom-call'); '(XLA)' where XLA made the op itself (a layout copy) and named none."""
+    primitive = hlo.op_name(instruction).rsplit("/", 1)[-1] or "(XLA)"
+    kind = instruction.opcode
+    if kind == "fusion":
+        kind = f"fusion({hlo.fusion_root(module, instruction)})"
+    return f"{primitive} as {kind}"
+
+
+def sources(module: hlo.Module) -> list[tuple[str, float]]:
+    """The step's bytes by `source`, the largest first: [(label, bytes)]."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for instruction, moved in op_bytes(module):
+        totals[source(module, instruction)] += moved
+    return sorted(totals.items(), key=lambda item: -item[1])
