@@ -129,7 +129,7 @@ def test_chat_template_renders_the_text_it_is_documented_to():
         "<|assistant_start|> Emma.<|assistant_end|><|user_start|>And 2+2?<|user_end|>"
     )
     template = ImmutableSandboxedEnvironment().from_string(CHAT_TEMPLATE)
-    assert template.render(messages=messages, bos_token="<|bos|>") == expected
+    assert template.render(messages=messages) == expected
 
 
 def test_chat_template_rejects_messages_out_of_turn(hf):

@@ -25,7 +25,9 @@ The chat template is nanochat's render_conversation: `<|bos|>`, then per user me
 `<|assistant_start|>CONTENT<|assistant_end|>` (content parts of type python and
 python_output wrapped in `<|python_start|>..<|python_end|>` and
 `<|output_start|>..<|output_end|>`), a leading system message joined to the first user
-message with a blank line, and `<|assistant_start|>` for the generation prompt.
+message with a blank line, and `<|assistant_start|>` for the generation prompt. `<|bos|>` is
+written in the template, not taken from the `bos_token` variable, which lm-eval's remote
+tokenizer (it renders the template from /tokenizer_info itself) does not pass.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ CHAT_TEMPLATE = (
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
     "{%- set ns = namespace(system='', turn=0) -%}"
-    "{{ bos_token }}"
+    "{{ '<|bos|>' }}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
     "{%- if not loop.first -%}"
