@@ -4,12 +4,13 @@ from pathlib import Path
 
 import ml_collections
 
-from bov_jax.data import shards
+from bov_jax.data import mqar, shards
 from bov_jax.data.tokenizer import load_tokenizer
 from bov_jax.errors import DataError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_DIR = REPO_ROOT / "data" / "embedded"
+MQAR_TOKENIZER = REPO_ROOT / "data" / "mqar"  # holds tokenizer.pkl (mqar.byte_tokenizer)
 _INT_MINIMUMS = dict(
     buffer_size=1,
     tokenizer_batch_size=1,
@@ -20,11 +21,16 @@ _INT_MINIMUMS = dict(
     max_doc_tokens=0,
 )
 _BOOLS = ("use_cache", "shuffle", "skip_bad_documents")
+SOURCES = ("shards", "mqar")
 
 
 def default_data_config() -> ml_collections.ConfigDict:
     """Defaults of every data key (spec 5.2-5.3 where the reference has a value)."""
     c = ml_collections.ConfigDict()
+    # "shards": the corpus below. "mqar": synthetic multi-query associative recall examples
+    # (bov_jax/data/mqar.py, keys data.mqar); the tokenizer is still loaded (BPB, samples).
+    c.source = "shards"
+    c.mqar = mqar.default_mqar_config()
     # Shard directory (ClimbMix layout: *.parquet, the last file is the val split). The default
     # is the corpus embedded in the repository (data/embedded), so nothing is downloaded.
     c.data_dir = str(EMBEDDED_DIR)
@@ -48,8 +54,18 @@ def default_data_config() -> ml_collections.ConfigDict:
 
 
 def tokenizer_path(data_cfg: ml_collections.ConfigDict) -> Path:
-    """The tokenizer directory (data.tokenizer_dir, default DATA_DIR/tokenizer)."""
-    return Path(data_cfg.tokenizer_dir or Path(data_cfg.data_dir) / "tokenizer")
+    """The tokenizer directory (data.tokenizer_dir, default DATA_DIR/tokenizer, or for MQAR
+    the committed byte-level tokenizer, whose 257 ids hold its keys, values and fillers)."""
+    if data_cfg.tokenizer_dir:
+        return Path(data_cfg.tokenizer_dir)
+    if source(data_cfg) == "mqar":
+        return MQAR_TOKENIZER
+    return Path(data_cfg.data_dir) / "tokenizer"
+
+
+def source(data_cfg: ml_collections.ConfigDict) -> str:
+    """data.source; "shards" for configs recorded before it existed."""
+    return data_cfg.get("source", "shards")
 
 
 def _check_keys(data_cfg: ml_collections.ConfigDict) -> None:
@@ -82,8 +98,14 @@ def validate_data_config(
     differs from `vocab_size`, or a `seq_len` the packing cannot serve.
     """
     _check_keys(data_cfg)
+    if data_cfg.source not in SOURCES:
+        raise DataError(f"config key data.source={data_cfg.source!r}; expected one of {SOURCES}")
     if not isinstance(seq_len, int) or seq_len < 1:
         raise DataError(f"sequence length {seq_len!r} cannot be packed: it must be an integer >= 1")
+    if source(data_cfg) == "mqar":
+        mqar.validate_mqar_config(data_cfg.mqar, vocab_size, seq_len)
+        load_tokenizer(tokenizer_path(data_cfg), vocab_size)
+        return
     for split in shards.SPLITS:
         infos = [shards.check_shard(p) for p in shards.split_files(Path(data_cfg.data_dir), split)]
         if not data_cfg.use_cache:

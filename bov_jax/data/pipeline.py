@@ -19,8 +19,8 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from bov_jax.data import shards, token_cache
-from bov_jax.data.config import tokenizer_path
+from bov_jax.data import mqar, shards, token_cache
+from bov_jax.data.config import source, tokenizer_path
 from bov_jax.data.documents import ParquetUnitReader, Unit, plan_units, split_unit
 from bov_jax.data.packing import BestFitPackIterDataset
 from bov_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -147,8 +147,19 @@ def make_batch_iterator(
     The iterator is infinite (the val split repeats too, always in the same order, so a fresh
     iterator reproduces the same val batches). `get_state`/`set_state` and grain's orbax
     handlers (grain.checkpoint.CheckpointSave/CheckpointRestore) checkpoint it exactly.
-    Close it (`close()`) when data.num_workers > 0.
+    Close it (`close()`) when data.num_workers > 0. With data.source="mqar" the batches are
+    MQAR examples (targets -1 except at the answers).
     """
+    if source(data_cfg) == "mqar":
+        return mqar.batch_iterator(
+            data_cfg.mqar,
+            split=split,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            seed=seed,
+            process_index=process_index,
+            process_count=process_count,
+        )
     shards.list_shards(Path(data_cfg.data_dir))  # a missing data directory is reported first
     if tokenizer is None:
         tokenizer = load_tokenizer(tokenizer_path(data_cfg), num_threads=data_cfg.encode_threads)
@@ -173,7 +184,11 @@ def make_batch_iterator(
 def split_documents(
     data_cfg: ml_collections.ConfigDict, split: str, tokenizer: Tokenizer
 ) -> Iterator[dict]:
-    """Every unit element of a split once, in file order (no shuffle, no packing)."""
+    """Every unit element of a split once, in file order (no shuffle, no packing); for MQAR,
+    the key-value contexts of the split's first data.mqar.val_examples examples."""
+    if source(data_cfg) == "mqar":
+        yield from mqar.split_contexts(data_cfg.mqar, split)
+        return
     units, reader = split_units(data_cfg, split, tokenizer)
     for unit in units:
         yield reader(unit)

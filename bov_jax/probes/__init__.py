@@ -1,0 +1,1 @@
+"""Recall and long-context probes: MQAR accuracy, loss by position, induction, passkey."""
