@@ -11,9 +11,10 @@
 # benchmarks.json and guidellm.log. Environment: GUIDELLM_VENV (default
 # /work/clients/guidellm_venv), MAX_REQUESTS (default 8), PROMPT_TOKENS (default 64),
 # OUTPUT_TOKENS (default 32), PROFILE (default synchronous; e.g. kind=constant,rate=2).
+# Waits for URL/health to answer 200 (WAIT_S, default 600 s) first.
 set -euo pipefail
 if [ $# -lt 4 ]; then
-  sed -n 2,13p "$0" >&2
+  sed -n 2,14p "$0" >&2
   exit 2
 fi
 url=${1%/}
@@ -22,6 +23,7 @@ out=$(realpath -m "$3")
 tokenizer=$(realpath "$4")
 venv=${GUIDELLM_VENV:-/work/clients/guidellm_venv}
 profile=${PROFILE:-kind=synchronous}
+"$(dirname "$0")/wait_ready.sh" "$url" "${WAIT_S:-600}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
 for endpoint in chat completions; do

@@ -9,7 +9,8 @@
 # URL: the server's root (http://127.0.0.1:8000). HF_TOKENIZER_DIR: written by
 # `python -m bov_jax.interop.hf_tokenizer --workdir=RUN --out=DIR` (used by the huggingface
 # backend; the remote backend asks the server's /tokenizer_info, /tokenize, /detokenize).
-# Environment: LM_EVAL_VENV (default /work/clients/lm_eval_venv), MAX_LENGTH (lm-eval's
+# Waits for URL/health to answer 200 (WAIT_S, default 600 s) first. Environment:
+# LM_EVAL_VENV (default /work/clients/lm_eval_venv), MAX_LENGTH (lm-eval's
 # max_length, default 2048: set the model's seq_len), LIMIT (items per task, default all).
 set -euo pipefail
 if [ $# -lt 4 ]; then
@@ -22,6 +23,7 @@ out=$(realpath -m "$3")
 tokenizer=$(realpath "$4")
 backend=${5:-huggingface}
 venv=${LM_EVAL_VENV:-/work/clients/lm_eval_venv}
+"$(dirname "$0")/wait_ready.sh" "$url" "${WAIT_S:-600}"
 mkdir -p "$out"
 args="model=$model,base_url=$url/v1/completions,tokenizer_backend=$backend"
 args+=",tokenized_requests=True,max_length=${MAX_LENGTH:-2048},max_retries=1,timeout=600"
