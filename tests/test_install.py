@@ -5,8 +5,11 @@ with one line without a Python >= 3.11, and the documented commands name modules
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
+import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -83,3 +86,48 @@ def test_documented_commands_name_existing_modules(path):
 def test_launch_scripts_parse(path):
     done = subprocess.run(["bash", "-n", str(REPO / path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def readme_install() -> list[str]:
+    """The arguments of the README's first `pip install` (the main job's command)."""
+    line = next(x for x in (REPO / "README.md").read_text().splitlines() if x.startswith("pip "))
+    return line.split("&&")[0].split()
+
+
+def test_the_readme_install_makes_the_commands_work_from_any_folder(tmp_path):
+    """The README's install in a new venv, then the server's command from a folder of its
+    own. The dependencies come from this venv's site-packages (--no-deps), the build backend
+    (setuptools) from the package index, as for a user. setuptools leaves bov_jax.egg-info
+    in the checkout (git ignores it)."""
+    assert readme_install() == ["pip", "install", "-e", "."]
+    venv, elsewhere = tmp_path / "venv", tmp_path / "elsewhere"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    Path(site, "dependencies.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="")
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(python), *args],
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    assert "No module named 'bov_jax'" in command("-m", "bov_jax.serve", "--help").stderr
+    pip = ["-m", *readme_install()[:-1], str(REPO), "--no-deps"]
+    installed = command(*pip, "--quiet", "--disable-pip-version-check")
+    assert installed.returncode == 0, installed.stderr
+    done = command("-m", "bov_jax.serve", "--help")
+    assert done.returncode == 0 and "Serve a trained model" in done.stdout, done.stderr
