@@ -1,6 +1,9 @@
 """The transformers tokenizer folder written from the embedded SentencePiece tokenizer gives the
 project's ids and text (bov_jax/interop/hf_tokenizer.py)."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -12,7 +15,7 @@ from transformers import AutoTokenizer
 from bov_jax.data import shards
 from bov_jax.data.tokenizer import SPECIALS, load_tokenizer
 from bov_jax.errors import DataError
-from bov_jax.interop.hf_tokenizer import CHAT_TEMPLATE, export_hf_tokenizer
+from bov_jax.interop.hf_tokenizer import CHAT_TEMPLATE, FILES, export_hf_tokenizer
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "embedded"
 
@@ -141,3 +144,29 @@ def test_a_tokenizer_that_is_not_sentencepiece_is_refused(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"not a model")
     with pytest.raises(DataError, match="tokenizer.model"):
         export_hf_tokenizer(tmp_path, tmp_path / "out")
+
+
+def run_command(*flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "bov_jax.interop.hf_tokenizer", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_writes_a_runs_tokenizer_with_its_context_length(tmp_path, project):
+    record = dict(data=dict(tokenizer_dir=str(EMBEDDED / "tokenizer")), model=dict(seq_len=512))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(record))
+    done = run_command(f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(FILES)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf.model_max_length == 512
+    assert hf("Sense and Sensibility").input_ids == [
+        0,
+        *project.encode_one("Sense and Sensibility"),
+    ]
+
+
+def test_the_command_needs_one_source(tmp_path):
+    done = run_command(f"--out={tmp_path}")
+    assert done.returncode == 2
+    assert "exactly one of --workdir or --tokenizer" in done.stderr
