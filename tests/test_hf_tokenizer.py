@@ -125,19 +125,54 @@ def test_chat_template_renders_nanochats_conversation(project, hf, messages):
     assert prompt == text + "<|assistant_start|>"
 
 
+def render_template(messages: list[dict], **variables) -> str:
+    """CHAT_TEMPLATE rendered by plain Jinja, as lm-eval's remote tokenizer does (no bos_token)."""
+    return (
+        ImmutableSandboxedEnvironment()
+        .from_string(CHAT_TEMPLATE)
+        .render(messages=messages, **variables)
+    )
+
+
 def test_chat_template_renders_the_text_it_is_documented_to():
-    messages = CONVERSATIONS[1]
     expected = (
         "<|bos|><|user_start|>You are terse.\n\nName a  novel by Jane Austen.\n<|user_end|>"
         "<|assistant_start|> Emma.<|assistant_end|><|user_start|>And 2+2?<|user_end|>"
     )
-    template = ImmutableSandboxedEnvironment().from_string(CHAT_TEMPLATE)
-    assert template.render(messages=messages) == expected
+    assert render_template(CONVERSATIONS[1]) == expected
+
+
+def test_chat_template_joins_system_and_developer_messages_to_the_next_user_message():
+    messages = [
+        {"role": "user", "content": "A"},
+        {"role": "assistant", "content": None},
+        {"role": "system", "content": "S"},
+        {"role": "developer", "content": [{"type": "text", "text": "D"}]},
+        {"role": "user", "content": "B"},
+    ]
+    expected = (
+        "<|bos|><|user_start|>A<|user_end|><|assistant_start|><|assistant_end|>"
+        "<|user_start|>S\n\nD\n\nB<|user_end|><|assistant_start|>"
+    )
+    assert render_template(messages, add_generation_prompt=True) == expected
+
+
+def test_chat_template_leaves_the_final_message_open_to_continue(hf):
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "It is"}]
+    text = hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text == "<|bos|><|user_start|>Q<|user_end|><|assistant_start|>It is"
 
 
 def test_chat_template_rejects_messages_out_of_turn(hf):
     with pytest.raises(TemplateError, match="alternate"):
         hf.apply_chat_template([{"role": "assistant", "content": "hi"}], tokenize=False)
+
+
+@pytest.mark.parametrize("roles", [["system"], ["user", "developer"]])
+def test_chat_template_rejects_a_system_message_with_no_user_message_after_it(hf, roles):
+    messages = [{"role": role, "content": "x"} for role in roles]
+    with pytest.raises(TemplateError, match="followed by a user message"):
+        hf.apply_chat_template(messages, tokenize=False)
 
 
 def test_a_tokenizer_that_is_not_sentencepiece_is_refused(tmp_path):

@@ -20,14 +20,17 @@ added tokens, so a special's text in a prompt becomes its id (the project's enco
 as plain text); this is what lets a client render the chat template below to the ids the
 server's /v1/chat/completions builds.
 
-The chat template is nanochat's render_conversation: `<|bos|>`, then per user message
-`<|user_start|>CONTENT<|user_end|>`, per assistant message
-`<|assistant_start|>CONTENT<|assistant_end|>` (content parts of type python and
-python_output wrapped in `<|python_start|>..<|python_end|>` and
-`<|output_start|>..<|output_end|>`), a leading system message joined to the first user
-message with a blank line, and `<|assistant_start|>` for the generation prompt. `<|bos|>` is
-written in the template, not taken from the `bos_token` variable, which lm-eval's remote
-tokenizer (it renders the template from /tokenizer_info itself) does not pass.
+The chat template is nanochat's render_conversation, as the server's /v1/chat/completions
+renders it: `<|bos|>`, then per user message `<|user_start|>CONTENT<|user_end|>`, per
+assistant message `<|assistant_start|>CONTENT<|assistant_end|>`; system and developer
+messages joined, each followed by a blank line, to the start of the next user message; then
+messages alternate user, assistant from a user; content a string, null (empty) or a list of
+text parts (nanochat's python and python_output parts wrapped in
+`<|python_start|>..<|python_end|>` and `<|output_start|>..<|output_end|>`). The generation
+prompt is `<|assistant_start|>`; with continue_final_message the last (assistant's) message
+is left open. `<|bos|>` is written in the template, not taken from the `bos_token` variable,
+which lm-eval's remote tokenizer (it renders the template from /tokenizer_info itself) does
+not pass.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ _NORMAL = sentencepiece_model_pb2.ModelProto.SentencePiece.NORMAL
 
 CHAT_TEMPLATE = (
     "{%- macro render(content) -%}"
-    "{%- if content is string -%}{{ content }}"
+    "{%- if content is none -%}"
+    "{%- elif content is string -%}{{ content }}"
     "{%- else -%}{%- for part in content -%}"
     "{%- if part['type'] == 'python' -%}{{ '<|python_start|>' + part['text'] + '<|python_end|>' }}"
     "{%- elif part['type'] == 'python_output' -%}"
@@ -60,24 +64,26 @@ CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='', turn=0) -%}"
     "{{ '<|bos|>' }}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}"
-    "{%- if not loop.first -%}"
-    "{{ raise_exception('only the first message may be a system message') }}{%- endif -%}"
-    "{%- set ns.system = render(message['content']) + '\n\n' -%}"
+    "{%- if message['role'] in ['system', 'developer'] -%}"
+    "{%- set ns.system = ns.system + render(message['content']) + '\\n\\n' -%}"
     "{%- else -%}"
     "{%- if message['role'] != ['user', 'assistant'][ns.turn % 2] -%}"
-    "{{ raise_exception('messages must alternate user, assistant, user, ... after an optional "
-    "system message') }}{%- endif -%}"
+    "{{ raise_exception('messages must alternate user, assistant, user, ... (system messages "
+    "join the next user message)') }}{%- endif -%}"
     "{%- if message['role'] == 'user' -%}"
     "{{ '<|user_start|>' + ns.system + render(message['content']) + '<|user_end|>' }}"
     "{%- set ns.system = '' -%}"
     "{%- else -%}"
-    "{{ '<|assistant_start|>' + render(message['content']) + '<|assistant_end|>' }}"
+    "{{ '<|assistant_start|>' + render(message['content']) }}"
+    "{%- if not (loop.last and continue_final_message) -%}{{ '<|assistant_end|>' }}{%- endif -%}"
     "{%- endif -%}"
     "{%- set ns.turn = ns.turn + 1 -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|assistant_start|>' }}{%- endif -%}"
+    "{%- if ns.system or not ns.turn -%}"
+    "{{ raise_exception('a system message must be followed by a user message') }}{%- endif -%}"
+    "{%- if add_generation_prompt and not continue_final_message -%}"
+    "{{ '<|assistant_start|>' }}{%- endif -%}"
 )
 
 
