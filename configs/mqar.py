@@ -1,6 +1,6 @@
 """MQAR (Zoology's multi-query associative recall) for any value path, on CPU in a minute.
 
-Depth 3 (the "last third" is layer 2), width 128 (heads of 32), full attention over rows of
+Depth 3 (the "last third" is layer 2), width 64 (heads of 32), full attention over rows of
 256 tokens, the 257 ids of the byte-level tokenizer data/mqar/tokenizer.pkl (keys, values and
 fillers are bov_jax/data/mqar.py's id ranges within it). Loss and val BPB count the answers
 only; held-out accuracy comes from `python -m bov_jax.probes mqar --workdir=...`.
@@ -18,7 +18,7 @@ def get_config(preset: str = "d12_bov"):
     config.name = f"mqar_{preset}"
     m = config.model
     m.depth = 3
-    m.model_dim = 128
+    m.model_dim = 64
     m.head_dim = 32
     m.vocab_size = 257
     m.seq_len = 256
@@ -30,11 +30,11 @@ def get_config(preset: str = "d12_bov"):
     t = config.train
     t.target_flops = -1.0
     t.num_steps = 300
-    t.total_batch_tokens = 16 * m.seq_len
-    t.device_batch_size = 16
+    t.total_batch_tokens = 8 * m.seq_len
+    t.device_batch_size = 8
     t.log_every = 50
     t.eval_every = t.num_steps
-    t.eval_tokens = 64 * m.seq_len
+    t.eval_tokens = 8 * m.seq_len  # val BPB of the answers; accuracy: bov_jax.probes mqar
     t.sample_tokens = 0
     o = config.optim
     o.reference_batch_tokens = t.total_batch_tokens

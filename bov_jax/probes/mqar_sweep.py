@@ -1,0 +1,116 @@
+"""The MQAR sweep's answer (configs/sweeps/recall_cpu.py): every finished job scored on the
+held-out split (probes/mqar.json in its workdir, computed once), then Zoology's figure
+(accuracy vs width, one panel per number of pairs, one line per value path, mean and std over
+seeds) and a table (mean +- std (n) per value path, and the paired difference to the baseline
+of the same width, pairs and seed with its 95% t-interval).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bov_jax.files import write_json_atomic
+from bov_jax.probes.mqar import probe_run
+from bov_jax.report.stats import paired_difference, summarize
+
+BASELINE = "baseline"
+Cell = tuple[str, int, int]  # (value path, width, pairs)
+
+
+def finished_jobs(root: Path) -> list[Path]:
+    """Workdirs root/<run>/seed<k> whose status.json says they reached their horizon."""
+    jobs = []
+    for status in sorted(root.glob("*/seed*/status.json")):
+        record = json.loads(status.read_text())
+        if record["step"] >= record["num_steps"]:
+            jobs.append(status.parent)
+    return jobs
+
+
+def scores(root: Path) -> dict[Cell, dict[int, float]]:
+    """{(path, width, pairs): {seed: held-out accuracy}}; runs are named <path>_d<W>_n<N>."""
+    out: dict[Cell, dict[int, float]] = defaultdict(dict)
+    for workdir in finished_jobs(root):
+        probe = workdir / "probes" / "mqar.json"
+        if not probe.is_file():
+            probe_run(workdir)
+        result = json.loads(probe.read_text())
+        path = workdir.parent.name.rsplit("_d", 1)[0]
+        seed = int(workdir.name.removeprefix("seed"))
+        out[(path, result["model_dim"], result["num_pairs"])][seed] = result["accuracy"]
+    return dict(out)
+
+
+def table(cells: dict[Cell, dict[int, float]], chance: float) -> str:
+    """Markdown: one row per (pairs, width, path) with n, accuracy and the paired difference."""
+    lines = [
+        f"Held-out MQAR accuracy (chance {chance:.4f}); difference to the baseline of the same "
+        "width, pairs and seed, with its 95% t-interval.",
+        "",
+        "| pairs | width | value path | accuracy, mean ± std (n) | vs baseline (95% CI) |",
+        "|---:|---:|---|---|---|",
+    ]
+    for path, width, pairs in sorted(cells, key=lambda c: (c[2], c[1], c[0] != BASELINE, c[0])):
+        by_seed = cells[(path, width, pairs)]
+        base = cells.get((BASELINE, width, pairs), {})
+        diff = "-" if path == BASELINE else paired_difference(by_seed, base).cell(3)
+        accuracy = summarize(list(by_seed.values())).cell(3)
+        lines.append(f"| {pairs} | {width} | {path} | {accuracy} | {diff} |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(cells: dict[Cell, dict[int, float]], chance: float, path: Path) -> Path:
+    """Zoology's layout: accuracy vs width, a panel per number of pairs, a line per path."""
+    from bov_jax.report.figures import plt, save
+
+    pair_counts = sorted({c[2] for c in cells})
+    paths = sorted({c[0] for c in cells}, key=lambda p: (p != BASELINE, p))
+    fig, axes = plt.subplots(
+        1, len(pair_counts), figsize=(4 * len(pair_counts), 3.4), squeeze=False, sharey=True
+    )
+    for ax, pairs in zip(axes[0], pair_counts, strict=True):
+        for i, name in enumerate(paths):
+            widths = sorted(w for p, w, n in cells if p == name and n == pairs)
+            stats = [summarize(list(cells[(name, w, pairs)].values())) for w in widths]
+            x = np.array(widths) * (1 + 0.03 * (i - 1.5))  # side by side, not on top
+            ax.errorbar(
+                x,
+                [s.mean for s in stats],
+                yerr=[0 if s.n < 2 else s.std for s in stats],
+                marker="o",
+                capsize=3,
+                label=f"{name} (n={min(s.n for s in stats) if stats else 0})",
+            )
+        ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label="chance")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{pairs} key-value pairs")
+        ax.set_xlabel("model width")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out MQAR accuracy")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("MQAR by value path (depth 3, seq 256; mean ± std over seeds)", fontsize=9)
+    return save(fig, path)
+
+
+def report(root: str | Path, out: str | Path) -> list[Path]:
+    """Scores root's finished jobs; writes OUT/mqar.md, mqar.png and mqar_scores.json."""
+    root, out = Path(root), Path(out)
+    cells = scores(root)
+    if not cells:
+        raise FileNotFoundError(f"{root} holds no finished MQAR job (<run>/seed<k>/status.json)")
+    chance = json.loads(next(root.glob("*/seed*/probes/mqar.json")).read_text())["chance"]
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "mqar.md", out / "mqar_scores.json"]
+    written[0].write_text(table(cells, chance))
+    records: list[dict[str, Any]] = [
+        {"value_path": p, "width": w, "pairs": n, "accuracy_by_seed": cells[(p, w, n)]}
+        for p, w, n in sorted(cells)
+    ]
+    write_json_atomic(written[1], {"chance": chance, "cells": records})
+    written.append(figure(cells, chance, out / "mqar.png"))
+    return written
