@@ -10,10 +10,11 @@ is_greedy). The tokens lm-eval sent are rebuilt as lm-eval's local-completions b
 (TemplateLM._encode_pair: the context's trailing whitespace moves to the continuation, the
 continuation's ids are those of context + continuation after the context's; an empty context
 is the prefix token <|bos|>; with add_bos_token (huggingface backend only) every encoding
-starts with <|bos|>; the row keeps its last max_length - 1 tokens), then scored by the run's model in this process (the
-checkpoint's forward, bov_jax.evals.loading.load_logits_fn, float32 log-softmax in float64 as
-bov_jax.evals.core.span_nats). The project's tokenizer stands in for the transformers folder
-lm-eval loaded, which gives the same ids (tests/test_hf_tokenizer.py).
+starts with <|bos|>; the row keeps its last max_length - 1 tokens), then scored by the run's
+model in this process (the checkpoint's forward, bov_jax.evals.loading.load_logits_fn,
+float32 logits, log-softmax in float64 as bov_jax.evals.core.span_nats). The project's
+tokenizer stands in for the transformers folder lm-eval loaded, which gives the same ids
+(tests/test_hf_tokenizer.py).
 
 Prints every request whose |server - in-process| exceeds the tolerance, and a summary (count,
 largest difference, greedy flags that disagree); exits 1 if any request exceeds it.
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bov_jax.evals.core import span_nats, stack_rows
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bov_jax
+from bov_jax.evals.core import span_nats, stack_rows  # noqa: E402
 
 
 def encode_pair(encode, context: str, continuation: str, bos: int, add_bos: bool):
