@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -371,7 +371,7 @@ def plan_for(rows: Sequence[Row], vocab_size: int) -> Plan:
 def _batch(rows: Sequence[Row], batch: int, vocab: int, adjust: bool) -> _Batch:
     """The rows' arrays, padded to `batch` rows with greedy ones."""
 
-    def column(dtype: type, pad: float, value) -> np.ndarray:
+    def column(dtype: type, pad: float, value: Callable[[Row], float]) -> np.ndarray:
         out = np.full(batch, pad, dtype)
         out[: len(rows)] = [value(r) for r in rows]
         return out
