@@ -288,12 +288,17 @@ def choose(
     """Next tokens (B,) int32 from logits (B, V) with parameters as traced arrays (the dense
     decode loop): the argmax where temperature < GREEDY_BELOW (only that, if every row
     is), else a draw from softmax(logits / temperature) cut to top_k (<= 0: no cut) and
-    top_p by bisection. keys (B,); temperature, top_p (B,) float; top_k (B,) int."""
+    top_p by bisection (skipped where no row cuts). keys (B,); temperature, top_p (B,)
+    float; top_k (B,) int."""
     greedy = temperature < GREEDY_BELOW
 
     def drawn() -> jax.Array:
         scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-        allowed = kept(scaled, top_k, top_p, jnp.zeros_like(top_p), -1, True)
+        allowed = jax.lax.cond(
+            jnp.any(top_k > 0) | jnp.any(top_p < 1),
+            lambda: kept(scaled, top_k, top_p, jnp.zeros_like(top_p), -1, True),
+            lambda: jnp.ones(scaled.shape, bool),
+        )
         sampled = _draw(keys, scaled, allowed)
         return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
 
