@@ -172,10 +172,11 @@ def value_path_words(spec, layout) -> str:
     from bov_jax.inference.layout import BANK, V1
 
     vp = spec.value_path
-    if vp.source == "residual" and vp.scale == "none":
-        return f"dense: each of the {spec.n_layer} layers projects its own values"
     targets = spec.targets
-    span = f"layers {targets[0]}-{targets[-1]}" if len(targets) > 1 else f"layer {targets[0]}"
+    if not targets:
+        return f"dense: each of the {spec.n_layer} layers projects its own values"
+    one = len(targets) == 1
+    span = f"layer {targets[0]}" if one else f"layers {targets[0]}-{targets[-1]}"
     source = {
         "bank": "a token-id table (Bank of Values)" + (", shared" if vp.bank_shared else ""),
         "v1": "layer 0's values",
@@ -183,13 +184,14 @@ def value_path_words(spec, layout) -> str:
         "residual": "their own projection",
     }[vp.source]
     scale = "" if vp.scale == "none" else f", {vp.scale} scale"
-    words = f"{span} of {spec.n_layer} take values from {source} ({vp.combine}{scale})"
+    take = "takes" if one else "take"
+    words = f"{span} of {spec.n_layer} {take} values from {source} ({vp.combine}{scale})"
     banks = sum(1 for reads in layout.layers if reads.mode == BANK)
     shared = sum(1 for reads in layout.layers if reads.mode == V1)
     if banks:
-        words += f"; {banks} keep no V cache (their values are gathered by token id)"
+        words += f"; {banks} with no V cache (values gathered by token id)"
     if shared:
-        words += f"; {shared} read layer 0's V cache"
+        words += f"; {shared} reading layer 0's V cache"
     return words
 
 
