@@ -2,7 +2,7 @@
 
 mqar        --workdir=RUN: held-out MQAR accuracy of a run trained with data.source="mqar"
             (RUN/probes/mqar.json).
-mqar_sweep  --root=DIR --out=OUT: scores every finished job of an MQAR sweep
+mqar_sweep  --root=DIR[,DIR] --out=OUT: scores every finished job of an MQAR sweep
             (configs/sweeps/recall_cpu.py) and writes OUT/mqar.md, mqar.png, mqar_scores.json.
 lm          --workdir=RUN: a language-model run's loss by position over val documents longer
             than the context, induction accuracy by span and distance, and passkey retrieval
@@ -23,7 +23,9 @@ def define_flags() -> None:
     """The command's flags (defined on use: other entry points also have a --workdir)."""
     flags.DEFINE_string("workdir", None, "A run's workdir (config.json and checkpoints).")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-    flags.DEFINE_string("root", None, "mqar_sweep: the sweep's directory.")
+    flags.DEFINE_list(
+        "root", [], "mqar_sweep: the sweep's directory (or several, comma-separated)."
+    )
     flags.DEFINE_string("out", None, "mqar_sweep: where the table and figure go.")
     flags.DEFINE_integer("documents", 64, "lm: val documents longer than the context.")
     flags.DEFINE_integer("rows", 32, "lm: induction sequences per (span, distance).")

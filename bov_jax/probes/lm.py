@@ -14,6 +14,7 @@ from bov_jax.probes.model_fns import token_fn
 
 SPANS = (8, 32)
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+READ_BACK_ROOM = 16  # positions left after the longest passkey prompt
 
 
 def distances(seq_len: int) -> tuple[int, ...]:
@@ -22,8 +23,9 @@ def distances(seq_len: int) -> tuple[int, ...]:
 
 
 def contexts(seq_len: int) -> tuple[int, ...]:
-    """Passkey context lengths: quarters of the context, the whole context last."""
-    return tuple(sorted({max(64, seq_len * q // 4) for q in (1, 2, 3, 4)}))
+    """Passkey prompt lengths: quarters of the context, the last one leaving room for the
+    key's read-back."""
+    return tuple(sorted({max(64, (seq_len - READ_BACK_ROOM) * q // 4) for q in (1, 2, 3, 4)}))
 
 
 def probe_run(

@@ -32,10 +32,11 @@ def finished_jobs(root: Path) -> list[Path]:
     return jobs
 
 
-def scores(root: Path) -> dict[Cell, dict[int, float]]:
-    """{(path, width, pairs): {seed: held-out accuracy}}; runs are named <path>_d<W>_n<N>."""
+def scores(roots: list[Path]) -> dict[Cell, dict[int, float]]:
+    """{(path, width, pairs): {seed: held-out accuracy}} over the finished jobs of every root
+    (one sweep split over several roots); runs are named <path>_d<W>_n<N>."""
     out: dict[Cell, dict[int, float]] = defaultdict(dict)
-    for workdir in finished_jobs(root):
+    for workdir in (job for root in roots for job in finished_jobs(root)):
         probe = workdir / "probes" / "mqar.json"
         if not probe.is_file():
             probe_run(workdir)
@@ -97,13 +98,14 @@ def figure(cells: dict[Cell, dict[int, float]], chance: float, path: Path) -> Pa
     return save(fig, path)
 
 
-def report(root: str | Path, out: str | Path) -> list[Path]:
-    """Scores root's finished jobs; writes OUT/mqar.md, mqar.png and mqar_scores.json."""
-    root, out = Path(root), Path(out)
-    cells = scores(root)
+def report(roots: list[str], out: str | Path) -> list[Path]:
+    """Scores the roots' finished jobs; writes OUT/mqar.md, mqar.png and mqar_scores.json."""
+    paths, out = [Path(r) for r in roots], Path(out)
+    cells = scores(paths)
     if not cells:
-        raise FileNotFoundError(f"{root} holds no finished MQAR job (<run>/seed<k>/status.json)")
-    chance = json.loads(next(root.glob("*/seed*/probes/mqar.json")).read_text())["chance"]
+        raise FileNotFoundError(f"{roots} hold no finished MQAR job (<run>/seed<k>/status.json)")
+    probes = (p for root in paths for p in root.glob("*/seed*/probes/mqar.json"))
+    chance = json.loads(next(probes).read_text())["chance"]
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "mqar.md", out / "mqar_scores.json"]
     written[0].write_text(table(cells, chance))
