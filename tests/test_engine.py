@@ -1,6 +1,7 @@
 """The serving engine against the dense decoder and the full forward, on random weights:
 continuous batching, chunked prefill, sliding windows, preemption and recomputation."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -177,6 +178,21 @@ def test_an_aborted_request_frees_its_pages():
     assert engine.allocator.used_pages(0) == engine.allocator.used_pages(1) == 0
 
 
+def test_a_request_aborted_while_it_waits_ends_without_failing_the_step():
+    """A client that leaves before its request is admitted (it never held a page)."""
+    engine = Engine(random_model("d12", depth=2), EngineConfig(page_size=4, max_seqs=1, chunk=8))
+    engine.add("running", PROMPTS[1], SamplingParams(max_tokens=4))
+    engine.add("waiting", PROMPTS[0], SamplingParams(max_tokens=4))
+    engine.step()
+    assert [s.id for s in engine.scheduler.waiting] == ["waiting"]
+    engine.abort("waiting")
+    outputs = engine.step()
+    assert [o.finish_reason for o in outputs if o.request_id == "waiting"] == ["abort"]
+    while engine.has_work():
+        outputs += engine.step()
+    assert [o.finish_reason for o in outputs if o.finish_reason] == ["abort", "length"]
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "field"),
     [
@@ -186,7 +202,7 @@ def test_an_aborted_request_frees_its_pages():
         ([1], SamplingParams(max_tokens=0), "max_tokens"),
         ([1], SamplingParams(temperature=-1), "temperature"),
         ([1], SamplingParams(top_p=0), "top_p"),
-        ([1], SamplingParams(logprobs=9), "logprobs"),
+        ([1], SamplingParams(logprobs=21), "logprobs"),
         ([1], SamplingParams(stop=("x",)), "stop"),  # no tokenizer
     ],
 )
@@ -200,3 +216,61 @@ def test_a_request_the_engine_cannot_serve_is_refused_naming_the_field(prompt, p
 def test_too_few_pages_for_one_whole_sequence_is_refused():
     with pytest.raises(ValueError, match="pages"):
         Engine(random_model("d12", depth=2), EngineConfig(page_size=4, pages=(3, 3)))
+
+
+def full_logprobs(model, prompt):
+    """log_softmax of the full forward's logits (n, V) over the prompt."""
+    return np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt]))[0], axis=-1))
+
+
+def assert_prompt_scores_equal_the_full_forward(model, prompt, scores, k):
+    """Each prompt token's logprob and top-k against the full forward (first entry None)."""
+    want = full_logprobs(model, prompt)
+    assert scores[0] is None and len(scores) == len(prompt)
+    for j in range(1, len(prompt)):
+        entry = scores[j]
+        assert entry.token == prompt[j]
+        np.testing.assert_allclose(entry.logprob, want[j - 1, prompt[j]], rtol=0, atol=5e-5)
+        assert [t for t, _ in entry.top] == np.argsort(-want[j - 1])[:k].tolist()
+
+
+@pytest.mark.parametrize("variant", ["baseline", "BoV without a V cache"])
+def test_prompt_logprobs_equal_the_full_forward_across_chunks_and_preemptions(variant):
+    """Scored prompts of one to five chunks, through 3 slots with too few pages (the pages run
+    out and sequences are preempted), with completions of 0 (scoring only), 1 and 12 tokens:
+    every prompt token's logprob and top-3 are the full forward's, the completions those of
+    unscored requests."""
+    preset, eliminate = VARIANTS[variant]
+    model = random_model(preset)
+    config = EngineConfig(**{**TIGHT.__dict__, "eliminate_bank_v": eliminate})
+    engine = Engine(model, config)
+    new = [0, 1, 12, 0, 12, 1, 12]
+    params = [SamplingParams(temperature=0, max_tokens=n, prompt_logprobs=3) for n in new]
+    results = engine.generate(PROMPTS, params)
+    assert engine.scheduler.preemptions > 0
+    plain = Engine(model, config).generate(
+        PROMPTS, [SamplingParams(temperature=0, max_tokens=max(n, 1)) for n in new]
+    )
+    for prompt, n, result, want in zip(PROMPTS, new, results, plain, strict=True):
+        assert_prompt_scores_equal_the_full_forward(model, prompt, result.prompt_logprobs, 3)
+        assert result.token_ids == want.token_ids[:n] and result.finish_reason == "length"
+    assert engine.allocator.used_pages(0) == engine.allocator.used_pages(1) == 0
+
+
+def test_a_sequence_preempted_while_its_prompt_is_scored_scores_each_token_once():
+    model = random_model("d12_bov")
+    engine = Engine(model, EngineConfig(page_size=4, max_seqs=2, chunk=8))
+    prompt = PROMPTS[6]  # 40 tokens: five chunks
+    engine.add("scored", prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))
+    engine.step()
+    engine.step()  # two chunks computed and scored
+    (seq,) = engine.scheduler.running
+    assert seq.computed == 16 and len(engine._streams["scored"].prompt_scores) == 17
+    engine.scheduler._preempt([])  # the pages taken back: recomputed from position 0
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert engine.scheduler.preemptions == 1
+    first = outputs[0]
+    assert all(o.prompt_logprobs is None for o in outputs[1:])
+    assert_prompt_scores_equal_the_full_forward(model, prompt, first.prompt_logprobs, 2)

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = load_tokenizer(EMBEDDED_DIR / "tokenizer")
 PROMPT = "The old man looked at the sea and"
 CONFIG = EngineConfig(page_size=4, max_seqs=4, chunk=16, max_context=256, pages=(24, 40))
-TIMEOUT_S = 60
+TIMEOUT_S = 120
 
 
 def served_model():
@@ -50,8 +50,19 @@ def client(url: str) -> openai.OpenAI:
 
 
 def pages_used(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
-    return float(re.search(r"^bov_pages_used (\S+)$", text, re.M).group(1))
+    return metric(url, "bov:pages_used")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample's value from /metrics, by name and labels (model_name tiny and `labels`)."""
+    want = {"model_name": "tiny", **labels}
+    for line in httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text.splitlines():
+        found = re.fullmatch(r"([^{ ]+)(?:\{(.*)\})? (\S+)", line)
+        if found and found.group(1) == name:
+            have = dict(re.findall(r'(\w+)="([^"]*)"', found.group(2) or ""))
+            if have == want:
+                return float(found.group(3))
+    return 0.0
 
 
 def test_the_openai_client_gets_the_engines_completion_whole_and_streamed(server):
@@ -75,7 +86,8 @@ def test_the_openai_client_gets_the_engines_completion_whole_and_streamed(server
     assert whole.usage.completion_tokens == len(want.token_ids)
     assert whole.usage.prompt_tokens == len(prompt)
     assert choice.logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs])
-    assert [len(top) for top in choice.logprobs.top_logprobs] == [2] * len(want.logprobs)
+    for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs, strict=True):
+        assert token in top and len(top) in (2, 3)  # the two likeliest and the token, as vLLM
     chunks = list(client(url).completions.create(**ask, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
@@ -94,10 +106,12 @@ def test_sixteen_concurrent_streaming_clients_all_finish(server):
             temperature=1.0,
             seed=i,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
         parts = list(chunks)
-        return parts[-1].choices[0].finish_reason, parts[-1].usage.completion_tokens
+        assert not parts[-1].choices and all(p.usage is None for p in parts[:-1])
+        return parts[-2].choices[0].finish_reason, parts[-1].usage.completion_tokens
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         done = list(pool.map(stream, range(16), timeout=TIMEOUT_S * 4))
@@ -118,7 +132,36 @@ BAD = {
     "prompt a number": ({"model": "tiny", "prompt": 5}, "prompt"),
     "token id past the vocab": ({"model": "tiny", "prompt": [10**6]}, "prompt"),
     "an unknown field": ({"model": "tiny", "prompt": "hi", "best_of": 2}, "best_of"),
-    "two completions": ({"model": "tiny", "prompt": "hi", "n": 2}, "n"),
+    "no completion": ({"model": "tiny", "prompt": "hi", "n": 0}, "n"),
+    "best_of past n": ({"model": "tiny", "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    "a suffix": ({"model": "tiny", "prompt": "hi", "suffix": "end"}, "suffix"),
+    "21 logprobs": ({"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    "stream_options unstreamed": (
+        {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
+    "logit_bias by word": ({"model": "tiny", "prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias"),
+    "logit_bias past the vocab": (
+        {"model": "tiny", "prompt": "hi", "logit_bias": {"99999": 1}},
+        "logit_bias",
+    ),
+    "negative min_tokens": ({"model": "tiny", "prompt": "hi", "min_tokens": -1}, "min_tokens"),
+    "top_k below -1": ({"model": "tiny", "prompt": "hi", "top_k": -5}, "top_k"),
+    "min_p past 1": ({"model": "tiny", "prompt": "hi", "min_p": 2.0}, "min_p"),
+    "zero repetition_penalty": (
+        {"model": "tiny", "prompt": "hi", "repetition_penalty": 0.0},
+        "repetition_penalty",
+    ),
+    "stop token past the vocab": (
+        {"model": "tiny", "prompt": "hi", "stop_token_ids": [99999]},
+        "stop_token_ids",
+    ),
+    "infinite temperature": (
+        '{"model": "tiny", "prompt": "hi", "temperature": Infinity}',
+        "temperature",
+    ),
+    "max_tokens 0 without echo": ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "empty prompt list": ({"model": "tiny", "prompt": []}, "prompt"),
     "no model": ({"prompt": "hi"}, "model"),
 }
 
@@ -166,18 +209,25 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(server, monkeypatch):
     assert pages_used(url) == before
 
 
-def test_metrics_are_prometheus_text(server):
+def test_metrics_are_prometheus_text_named_as_vllms(server):
     url, _, _ = server
     text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
-    for name in (
-        "requests_running",
-        "requests_waiting",
-        "pages_used",
-        "pages_free",
-        "tokens_per_second",
-        "preemptions_total",
+    for name, kind in (
+        ("num_requests_running", "gauge"),
+        ("num_requests_waiting", "gauge"),
+        ("kv_cache_usage_perc", "gauge"),
+        ("pages_used", "gauge"),
+        ("tokens_per_second", "gauge"),
+        ("num_preemptions", "counter"),
+        ("time_to_first_token_seconds", "histogram"),
+        ("inter_token_latency_seconds", "histogram"),
+        ("e2e_request_latency_seconds", "histogram"),
+        ("request_queue_time_seconds", "histogram"),
+        ("prompt_tokens", "counter"),
+        ("generation_tokens", "counter"),
+        ("request_success", "counter"),
     ):
-        assert re.search(rf"^# TYPE bov_{name} (gauge|counter)\n^bov_{name} \S+$", text, re.M)
+        assert re.search(rf"^# TYPE bov:{name}(_total)? {kind}$", text, re.M), name
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,11 @@ class TiktokenTokenizer:
     def bos_id(self) -> int:
         return self.encoding.encode_single_token(BOS)
 
+    def special_id(self, name: str) -> int | None:
+        """The id of special token `name` (e.g. "<|user_start|>"), None if it has none."""
+        special = name in self.encoding.special_tokens_set
+        return self.encoding.encode_single_token(name) if special else None
+
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without BOS (special-token strings are not parsed)."""
         return self.encoding.encode_ordinary_batch(texts, num_threads=self.num_threads)

@@ -79,6 +79,11 @@ class Tokenizer:
     def bos_id(self) -> int:
         return self._sp.bos_id()
 
+    def special_id(self, name: str) -> int | None:
+        """The id of special token `name` (e.g. "<|user_start|>"), None if it has none."""
+        i = self._sp.piece_to_id(name)
+        return i if self._sp.is_control(i) and self._sp.id_to_piece(i) == name else None
+
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without BOS (special-token strings are not parsed)."""
         return self._sp.encode(texts, out_type=int, num_threads=self.num_threads)

@@ -62,8 +62,8 @@ class PageAllocator:
                     block[j] = NULL_PAGE
 
     def free(self, seq: Hashable) -> None:
-        """Return every page of `seq`."""
-        for free, block in zip(self._free, self._blocks.pop(seq, ()), strict=True):
+        """Return every page of `seq` (none if it was never given any)."""
+        for free, block in zip(self._free, self._blocks.pop(seq, ()), strict=False):
             free.extend(page for page in block if page != NULL_PAGE)
 
     def held(self, seq: Hashable) -> tuple[int, ...]:

@@ -7,9 +7,16 @@
 
 Each `step` plans (`scheduler`), runs at most one prefill chunk (one row) and one decoding
 batch (every decoding sequence, a row each) through `paged.forward_step`, samples every
-row whose next token is due (`sampling.sample`), and finishes sequences at EOS, at
-max_tokens, at a stop string or at the context's end, freeing their pages. `add` and
-`abort` may be called from other threads: they queue, and `step` takes them in.
+row whose next token is due (`sampling.sample_rows`), and finishes sequences at EOS or a
+stop token, at max_tokens, at a stop string or at the context's end, freeing their pages.
+`add` and `abort` may be called from other threads: they queue, and `step` takes them in.
+
+Prompt scoring (`SamplingParams.prompt_logprobs`): the prefill chunks of such a request
+return every position's logits, and each prompt token's log probability (and its top-k)
+is taken as its chunk runs, so the scores are the full forward's whatever the chunking; a
+sequence preempted and recomputed does not score again what it scored. They reach the
+client with the request's first output; `max_tokens=0` scores the prompt and decodes
+nothing.
 
 Compiled shapes are bucketed: a step has R rows of C tokens with R a power of two up to
 max_seqs (decoding) or 1 (prefill), C 1 (decoding) or a power of two up to the chunk
@@ -89,9 +96,15 @@ class TokenLogprob:
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """What one step added to one request: new tokens (an EOS is not one), the text they
-    add (held back while it may begin a stop string), their logprobs if asked, and the
-    finish reason ("stop", "length", "abort") on its last output."""
+    """What one step added to one request: new tokens (an EOS or stop token is not one), the
+    text they add (held back while it may begin a stop string), their logprobs if asked,
+    and the finish reason ("stop", "length", "abort") on its last output, with what stopped
+    it (stop_reason: the stop string or stop token id; None for EOS or a length).
+
+    The first output of a request that asked for prompt logprobs carries them
+    (prompt_logprobs: one entry a prompt token, None for the first, which nothing
+    predicts), and every request's first output says how long it queued (queued_s: from
+    `add` to its admission)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -101,6 +114,9 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logits: tuple[np.ndarray, ...] = ()  # (V,) behind each sampled token (record_logits)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    stop_reason: str | int | None = None
+    queued_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -112,6 +128,7 @@ class Result:
     logprobs: list[TokenLogprob]
     finish_reason: str
     logits: list[np.ndarray]  # with record_logits: behind each sampled token, EOS included
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def held_back(text: str, stops: Seq[str]) -> int:
@@ -127,13 +144,29 @@ def held_back(text: str, stops: Seq[str]) -> int:
     return len(text) - end + hold
 
 
+def _entry(token, logprob, top_ids, top_values, n: int | None) -> TokenLogprob:
+    """A token's TokenLogprob from the sampler's arrays, with its n likeliest alternatives."""
+    top = () if not n else tuple(zip(top_ids[:n].tolist(), top_values[:n].tolist(), strict=True))
+    return TokenLogprob(int(token), float(logprob), top)
+
+
 @dataclasses.dataclass
 class _Stream:
     """The engine's per-request bookkeeping beside its `Sequence`."""
 
     seq: Sequence
+    added_at: float  # time.monotonic() at `add`
     sent: int = 0  # characters of the completion text already output
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # not yet output
+    admitted_at: float | None = None
+    # prompt scoring: an entry per prompt token scored so far (the first None); None if not asked
+    prompt_scores: list[TokenLogprob | None] | None = None
+    first_sent: bool = False  # the first output (prompt scores, queue time) has gone
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt tokens remain to be scored."""
+        return self.prompt_scores is not None and len(self.prompt_scores) < len(self.seq.prompt)
 
 
 class Engine:
@@ -182,9 +215,10 @@ class Engine:
 
     def shape_bound(self) -> int:
         """How many distinct step shapes this engine can run: decoding steps of each rows
-        bucket, prefill chunks of each columns bucket, each at every pages bucket."""
+        bucket, prefill chunks of each columns bucket (scoring a prompt or not), each at
+        every pages bucket."""
         rows, columns = paged.buckets(self.config.max_seqs), paged.buckets(self.chunk)
-        return (rows + columns) * paged.buckets(self.width)
+        return (rows + 2 * columns) * paged.buckets(self.width)
 
     def _empty_cache(self) -> None:
         self.allocator = PageAllocator(self.layout, self.pages, self.width)
@@ -197,7 +231,7 @@ class Engine:
         failed step, whose donated pools are gone); the ids dropped."""
         dropped = list(self._streams)
         while not self._inbox.empty():
-            dropped.append(self._inbox.get().id)
+            dropped.append(self._inbox.get()[0].id)
         while not self._aborts.empty():
             self._aborts.get()
         self._streams.clear()
@@ -210,7 +244,7 @@ class Engine:
 
     def check(self, prompt: Seq[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field of a request the engine cannot serve."""
-        params.validate()
+        params.validate(self.spec.vocab_size)
         if not prompt:
             raise ValueError("prompt: expected at least one token")
         if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
@@ -231,7 +265,7 @@ class Engine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._ids.add(request_id)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**31))
-        self._inbox.put(Sequence(request_id, list(prompt), params, seed))
+        self._inbox.put((Sequence(request_id, list(prompt), params, seed), time.monotonic()))
 
     def abort(self, request_id: str) -> None:
         """Stop a request (any thread): its pages are freed at the next step."""
@@ -244,8 +278,9 @@ class Engine:
 
     def _take_in(self) -> list[Output]:
         while not self._inbox.empty():
-            seq = self._inbox.get()
-            self._streams[seq.id] = _Stream(seq)
+            seq, added_at = self._inbox.get()
+            scores = None if seq.params.prompt_logprobs is None else [None]
+            self._streams[seq.id] = _Stream(seq, added_at, prompt_scores=scores)
             self.scheduler.add(seq)
         outputs = []
         while not self._aborts.empty():
@@ -255,9 +290,15 @@ class Engine:
                 outputs.append(self._finish(stream, "abort"))
         return outputs
 
-    def _forward(self, rows: list[tuple[Sequence, int]], batch: int, columns: int) -> jax.Array:
+    def _forward(
+        self,
+        rows: list[tuple[Sequence, int]],
+        batch: int,
+        columns: int,
+        every_position: bool = False,
+    ) -> jax.Array:
         """Run `rows` ((sequence, new tokens), ...) padded to (batch, columns); their
-        last tokens' logits (batch, V)."""
+        last tokens' logits (batch, V), or every column's (batch, columns, V)."""
         tokens = np.zeros((batch, columns), np.int32)
         start, counts, previous = (np.zeros(batch, np.int32) for _ in range(3))
         for r, (seq, n) in enumerate(rows):
@@ -268,7 +309,7 @@ class Engine:
         inputs = paged.StepInput(tokens, start, counts, previous, tables)
         end_page = int(max(start + np.maximum(counts, 1) - 1)) // self.layout.page_size
         spans = paged.spans_for(self.layout, end_page, columns, self.width)
-        self.shapes.add((batch, columns, spans))
+        self.shapes.add((batch, columns, spans, every_position))
         logits, self.pools = paged.forward_step(
             self.graphdef,
             self.params,
@@ -277,63 +318,90 @@ class Engine:
             layout=self.layout,
             spans=spans,
             block_pages=self.config.block_pages,
+            every_position=every_position,
         )
         for seq, n in rows:
             seq.computed += n
         return logits
 
     def _sample(self, logits: jax.Array, seqs: list[Sequence]) -> list[Output]:
-        """Sample the next token of each of `seqs` (the first rows of logits)."""
-        rows = logits.shape[0]
-        seeds, positions, top_k = (np.zeros(rows, np.int32) for _ in range(3))
-        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-        for r, seq in enumerate(seqs):
+        """Sample the next token of each of `seqs` (the first rows of logits (B, V))."""
+        rows = []
+        for seq in seqs:
             p = seq.params
-            seeds[r], positions[r], top_k[r] = seq.seed, len(seq.tokens), p.top_k
-            temperature[r], top_p[r] = p.temperature, p.top_p
-        picked = sampling.sample(logits, seeds, positions, temperature, top_k, top_p)
-        tokens, chosen, top_values, top_ids = (np.asarray(x) for x in picked)
+            banned: tuple[int, ...] = ()
+            if len(seq.generated) < p.min_tokens:  # vLLM's min_tokens: no stopping yet
+                banned = (*(() if p.ignore_eos else self.eos_ids), *p.stop_token_ids)
+            rows.append(
+                sampling.Row(p, seq.seed, len(seq.tokens), seq.prompt, seq.generated, banned)
+            )
+        picked = sampling.sample_rows(logits, rows)
         kept = np.asarray(logits[: len(seqs)]) if self.config.record_logits else None
         outputs = []
         for r, seq in enumerate(seqs):
             stream = self._streams[seq.id]
             if kept is not None:
                 stream.logits.append(kept[r])
-            n = seq.params.logprobs
-            entry = TokenLogprob(
-                int(tokens[r]),
-                float(chosen[r]),
-                tuple(zip(top_ids[r, :n].tolist(), top_values[r, :n].tolist(), strict=True))
-                if n
-                else (),
+            entry = _entry(
+                picked.tokens[r],
+                picked.logprobs[r],
+                picked.top_ids[r],
+                picked.top_logprobs[r],
+                seq.params.logprobs,
             )
             outputs.append(self._append(stream, entry))
         return outputs
 
+    def _score(self, stream: _Stream, logits: jax.Array, start: int, count: int) -> None:
+        """Score the prompt tokens that the chunk's positions start .. start + count - 1
+        predict (those not scored before a preemption), from its logits (C, V)."""
+        seq, scores = stream.seq, stream.prompt_scores
+        end = min(start + count, len(seq.prompt) - 1)  # positions j < end predict prompt[j + 1]
+        first = len(scores) - 1
+        if first >= end:
+            return
+        targets = np.zeros(logits.shape[0], np.int32)
+        targets[: end - start] = seq.prompt[start + 1 : end + 1]
+        chosen, top_values, top_ids = (
+            np.asarray(x) for x in sampling.logprobs_of(logits, jnp.asarray(targets))
+        )
+        k = seq.params.prompt_logprobs
+        for j in range(first, end):
+            c = j - start
+            scores.append(_entry(targets[c], chosen[c], top_ids[c], top_values[c], k))
+
     def _append(self, stream: _Stream, entry: TokenLogprob) -> Output:
         seq, params = stream.seq, stream.seq.params
         self.generated_tokens += 1
+        if entry.token in params.stop_token_ids:
+            return self._finish(stream, "stop", stop_reason=entry.token)
         if entry.token in self.eos_ids and not params.ignore_eos:
             return self._finish(stream, "stop")
         seq.tokens.append(entry.token)
         logprobs = (entry,) if params.logprobs is not None else ()
-        text, stopped = self._text(stream)
-        if stopped:
-            return self._finish(stream, "stop", (entry.token,), logprobs)
+        text, stop = self._text(stream)
+        if stop is not None:
+            return self._finish(stream, "stop", (entry.token,), logprobs, stop)
         if len(seq.generated) >= params.max_tokens or len(seq.tokens) >= self.max_context:
             return self._finish(stream, "length", (entry.token,), logprobs)
         delta = text[stream.sent : len(text) - held_back(text, params.stop)]
         stream.sent += len(delta)
         return self._output(stream, delta, (entry.token,), logprobs)
 
-    def _text(self, stream: _Stream) -> tuple[str, bool]:
-        """The completion's text so far, cut before its first stop string; whether cut."""
+    def _text(self, stream: _Stream) -> tuple[str, str | None]:
+        """The completion's text so far, cut at its first stop string (before it, or after it
+        with include_stop_str_in_output), and that string; none before min_tokens tokens."""
         if self.tokenizer is None:
-            return "", False
-        seq = stream.seq
+            return "", None
+        seq, params = stream.seq, stream.seq.params
         text = completion_text(self.tokenizer, seq.prompt[-PROMPT_CONTEXT:], seq.generated)
-        cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        return (text[: min(cuts)], True) if cuts else (text, False)
+        if len(seq.generated) < params.min_tokens:
+            return text, None
+        found = [(i, stop) for stop in params.stop if (i := text.find(stop)) >= 0]
+        if not found:
+            return text, None
+        at, stop = min(found)
+        return text[: at + len(stop) if params.include_stop_str_in_output else at], stop
 
     def _output(
         self,
@@ -342,11 +410,32 @@ class Engine:
         tokens: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
         reason: str | None = None,
+        stop_reason: str | int | None = None,
     ) -> Output:
         seq, logits = stream.seq, tuple(stream.logits)
         stream.logits.clear()
         prompt, generated = len(seq.prompt), len(seq.generated)
-        return Output(seq.id, tokens, text, logprobs, reason, prompt, generated, logits)
+        first = {}
+        if not stream.first_sent:
+            stream.first_sent = True
+            scores = stream.prompt_scores
+            admitted = stream.admitted_at or time.monotonic()
+            first = dict(
+                prompt_logprobs=None if scores is None else tuple(scores),
+                queued_s=admitted - stream.added_at,
+            )
+        return Output(
+            seq.id,
+            tokens,
+            text,
+            logprobs,
+            reason,
+            prompt,
+            generated,
+            logits,
+            stop_reason=stop_reason,
+            **first,
+        )
 
     def _finish(
         self,
@@ -354,6 +443,7 @@ class Engine:
         reason: str,
         tokens: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
+        stop_reason: str | int | None = None,
     ) -> Output:
         """The last output of a request (the rest of its text), its pages freed."""
         text, _ = self._text(stream)
@@ -361,7 +451,7 @@ class Engine:
         del self._streams[stream.seq.id]
         with self._lock:
             self._ids.discard(stream.seq.id)
-        return self._output(stream, text[stream.sent :], tokens, logprobs, reason)
+        return self._output(stream, text[stream.sent :], tokens, logprobs, reason, stop_reason)
 
     def step(self) -> list[Output]:
         """One iteration (module doc); the outputs of every request it advanced."""
@@ -369,19 +459,36 @@ class Engine:
         plan = self.scheduler.plan()
         if plan.prefill is not None:
             seq, n = plan.prefill
-            logits = self._forward([plan.prefill], 1, paged.bucket(n, self.chunk))
-            if seq.uncomputed == 0:
+            stream, start = self._streams[seq.id], seq.computed
+            if stream.admitted_at is None:
+                stream.admitted_at = time.monotonic()
+            scoring = stream.scoring
+            logits = self._forward([plan.prefill], 1, paged.bucket(n, self.chunk), scoring)
+            if scoring:
+                self._score(stream, logits[0], start, n)
+                logits = logits[:, n - 1]
+            if seq.params.max_tokens == 0 and seq.computed >= len(seq.prompt) - 1:
+                outputs.append(self._finish(stream, "length"))  # scored: nothing to decode
+            elif seq.uncomputed == 0:
                 outputs += self._sample(logits, [seq])
         if plan.decode:
             batch = paged.bucket(len(plan.decode), self.config.max_seqs)
             logits = self._forward([(seq, 1) for seq in plan.decode], batch, 1)
             outputs += self._sample(logits, plan.decode)
         self.steps += 1
+        self._rate.append((time.monotonic(), sum(len(o.token_ids) for o in outputs)))
+        return outputs
+
+    def tokens_per_second(self) -> float:
+        """Tokens generated a second over the last RATE_WINDOW_S seconds up to now: it falls
+        to 0 within the window once the engine idles."""
         now = time.monotonic()
-        self._rate.append((now, sum(len(o.token_ids) for o in outputs)))
         while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
             self._rate.popleft()
-        return outputs
+        if not self._rate:
+            return 0.0
+        span = now - self._rate[0][0]
+        return sum(n for _, n in list(self._rate)[1:]) / span if span > 0 else 0.0
 
     def generate(
         self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
@@ -401,6 +508,8 @@ class Engine:
                 result.logprobs += out.logprobs
                 result.logits += out.logits
                 result.finish_reason = out.finish_reason or ""
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = list(out.prompt_logprobs)
         return [results[i] for i in ids]
 
     # -- state ------------------------------------------------------------------------
@@ -409,8 +518,7 @@ class Engine:
         """Running and waiting requests, pages used and free (all groups), tokens/s over
         the last RATE_WINDOW_S seconds, generated tokens, preemptions, aborts, steps."""
         groups = range(len(self.layout.groups))
-        span = self._rate[-1][0] - self._rate[0][0] if len(self._rate) > 1 else 0.0
-        rate = sum(n for _, n in list(self._rate)[1:]) / span if span > 0 else 0.0
+        rate = self.tokens_per_second()
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + self._inbox.qsize(),

@@ -274,7 +274,7 @@ def hidden_paged(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "layout", "spans", "block_pages"),
+    static_argnames=("graphdef", "layout", "spans", "block_pages", "every_position"),
     donate_argnames=("pools",),
 )
 def forward_step(
@@ -286,11 +286,16 @@ def forward_step(
     layout: CacheLayout,
     spans: tuple[tuple[int, int], ...],
     block_pages: int = BLOCK_PAGES,
+    every_position: bool = False,
 ) -> tuple[jax.Array, Pools]:
-    """(logits (B, V) fp32 of each row's last new token, the pools written). The pools are
-    donated: the step updates them in place. block_pages: logical pages the XLA attention weighs
-    at a time off NVIDIA GPUs (a block's keys and values are what it gathers at once)."""
+    """(logits fp32, the pools written): of each row's last new token (B, V), or with
+    every_position of every column (B, C, V) (scoring a prompt: each position's next-token
+    distribution; padding columns repeat their row's last). The pools are donated: the step
+    updates them in place. block_pages: logical pages the XLA attention weighs at a time off
+    NVIDIA GPUs (a block's keys and values are what it gathers at once)."""
     model = nnx.merge(graphdef, params)
     x, pools = hidden_paged(model, pools, inputs, layout, dict(spans), block_pages)
+    if every_position:
+        return model.logits(x), pools
     last = jnp.maximum(inputs.counts - 1, 0)[:, None, None]
     return model.logits(jnp.take_along_axis(x, last, axis=1))[:, 0], pools
