@@ -194,7 +194,7 @@ def fitted(extra: dict[int, int], cost: Callable[[int], int], limit: int) -> int
     slope = (e1 - e0) / (n1 - n0)
     base = e1 - slope * n1
     fixed, each = cost(0), cost(1) - cost(0)
-    return int((limit - fixed - base) // (each + slope))
+    return int((limit - fixed - base) // max(each + slope, 1))
 
 
 def search(
