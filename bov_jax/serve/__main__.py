@@ -288,19 +288,23 @@ def main(argv: list[str]) -> None:
     log.info("%s", engine.layout.describe())
     if f.warmup:
         log.info(
-            "warming up: compiling at most %d step shapes (compilation cache: %s); "
+            "warming up: at most %d compiled step shapes (compilation cache: %s); "
             "/health is 503 until ready",
             engine.shape_bound(),
             cache,
         )
     else:
-        log.info("no warm-up (--nowarmup): each step shape compiles when a request first needs it")
+        log.info(
+            "no warm-up (--nowarmup): at most %d compiled step shapes, each when a request "
+            "first needs it",
+            engine.shape_bound(),
+        )
     address = f"http://{'[' + f.host + ']' if ':' in f.host else f.host}:{f.port}"
 
     def ready() -> None:
         log.info(
-            "ready: %s (POST /v1/completions, GET /v1/models, /health, /metrics); "
-            "Ctrl-C or SIGTERM drains for up to %g s",
+            "ready: listening on %s (POST /v1/completions, GET /v1/models, /health, "
+            "/metrics); Ctrl-C or SIGTERM drains for up to %g s",
             address,
             f.drain_s,
         )
