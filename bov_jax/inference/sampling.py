@@ -425,20 +425,3 @@ def sample_rows(logits: jax.Array, rows: Sequence[Row]) -> Picked:
         k = picked[2].shape[1]
         top_logprobs[:, :k], top_ids[:, :k] = picked[2][:n], picked[3][:n]
     return Picked(picked[0][:n], picked[1][:n], top_logprobs, top_ids)
-
-
-@jax.jit
-def sample(
-    logits: jax.Array,
-    seeds: jax.Array,
-    positions: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The engine's call until it moves to `sample_rows` (then to go): rows of logits (B, V)
-    whose next tokens sit at positions (B,) -> (tokens (B,) int32, their raw log
-    probabilities (B,), the K likeliest tokens' (B, K) and ids (B, K))."""
-    keys = token_keys(seeds, jnp.zeros_like(seeds), positions)
-    tokens = choose(logits, keys, temperature, top_k, top_p)
-    return (tokens, *_logprobs(logits, tokens, True))
