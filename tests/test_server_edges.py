@@ -8,6 +8,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from helpers import randomize, tiny_model
 from bov_jax.data.config import EMBEDDED_DIR
 from bov_jax.data.tokenizer import load_tokenizer
 from bov_jax.errors import UserError
+from bov_jax.inference import engine as engine_module
 from bov_jax.inference import paged
 from bov_jax.inference.engine import Engine, EngineConfig
 from bov_jax.inference.layout import CacheLayout
@@ -490,3 +492,69 @@ def test_a_cache_too_small_is_refused_before_loading_after_the_network_warning(w
     assert warning.startswith("WARNING: --host=0.0.0.0: this API has no authentication")
     assert error.startswith("error: --cache_gib=0.0001 holds no sequence of 128 tokens")
     assert "the least is" in error
+
+
+# -- the request path's side of items 1, 5 and 7 ------------------------------------------
+
+
+def test_a_long_prompt_under_the_limit_is_refused_by_length_while_health_answers(warm):
+    url, _ = warm
+    body = json.dumps({"model": "tiny", "prompt": "the sea " * 100_000})  # 800 kB
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(
+            httpx.post,
+            f"{url}/v1/completions",
+            content=body,
+            headers={"Content-Type": "application/json"},
+            timeout=TIMEOUT_S,
+        )
+        waits = []
+        while not refused.done():
+            start = time.monotonic()
+            assert health(url).status_code == 200
+            waits.append(time.monotonic() - start)
+        error = assert_openai_error(refused.result(), 400, "prompt")
+    assert "the context holds 16" in error["message"]
+    assert max(waits, default=0) < 0.5
+
+
+def tokens_per_second(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
+    return float(re.search(r"^bov:tokens_per_second\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+def test_the_tokens_per_second_gauge_falls_to_zero_when_idle(warm, monkeypatch):
+    url, _ = warm
+    monkeypatch.setattr(engine_module, "RATE_WINDOW_S", 1.0)
+    assert complete(url, prompt="A", max_tokens=12, ignore_eos=True).status_code == 200
+    assert tokens_per_second(url) > 0
+    time.sleep(1.5)  # idle past the window
+    assert tokens_per_second(url) == 0
+
+
+@pytest.mark.parametrize(
+    "field, raw",
+    [("top_k", "-2"), ("temperature", "Infinity"), ("temperature", "-1"), ("top_p", "1.5")],
+)
+def test_sampling_values_out_of_range_are_400_naming_the_field(warm, field, raw):
+    url, _ = warm
+    body = f'{{"model": "tiny", "prompt": "hi", "max_tokens": 2, "{field}": {raw}}}'
+    answer = httpx.post(
+        f"{url}/v1/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=TIMEOUT_S,
+    )
+    assert_openai_error(answer, 400, field)
+
+
+def test_what_openais_clients_send_is_taken(warm):
+    url, _ = warm
+    answer = complete(url, max_tokens=None, seed=2**40)
+    assert answer.status_code == 200, answer.text
+    assert (
+        answer.json()["usage"]["completion_tokens"] <= 16 - answer.json()["usage"]["prompt_tokens"]
+    )
+    card = httpx.get(f"{url}/v1/models/tiny", timeout=TIMEOUT_S)
+    assert card.status_code == 200 and card.json()["id"] == "tiny"
+    assert_openai_error(httpx.get(f"{url}/v1/models/gpt-9", timeout=TIMEOUT_S), 404, "model")
