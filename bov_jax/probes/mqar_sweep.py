@@ -74,27 +74,44 @@ def figure(cells: dict[Cell, dict[int, float]], chance: float, path: Path) -> Pa
     fig, axes = plt.subplots(
         1, len(pair_counts), figsize=(4 * len(pair_counts), 3.4), squeeze=False, sharey=True
     )
+    all_widths = sorted({c[1] for c in cells})
     for ax, pairs in zip(axes[0], pair_counts, strict=True):
         for i, name in enumerate(paths):
             widths = sorted(w for p, w, n in cells if p == name and n == pairs)
-            stats = [summarize(list(cells[(name, w, pairs)].values())) for w in widths]
-            x = np.array(widths) * (1 + 0.03 * (i - 1.5))  # side by side, not on top
+            if not widths:
+                continue
+            shift = 1 + 0.04 * (i - (len(paths) - 1) / 2)  # side by side, not on top
+            runs = [cells[(name, w, pairs)] for w in widths]
+            stats = [summarize(list(r.values())) for r in runs]
             ax.errorbar(
-                x,
+                np.array(widths) * shift,
                 [s.mean for s in stats],
                 yerr=[0 if s.n < 2 else s.std for s in stats],
                 marker="o",
                 capsize=3,
-                label=f"{name} (n={min(s.n for s in stats) if stats else 0})",
+                color=f"C{i}",  # one color per value path in every panel
+                label=f"{name} (n={'/'.join(str(s.n) for s in stats)})",
             )
+            for w, r in zip(widths, runs, strict=True):  # each seed, to show the spread
+                ax.scatter(
+                    [w * shift] * len(r),
+                    list(r.values()),
+                    s=8,
+                    alpha=0.5,
+                    color=f"C{i}",
+                )
         ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label="chance")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(all_widths, [str(w) for w in all_widths])
+        ax.set_xlim(all_widths[0] / 1.4, all_widths[-1] * 1.4)
         ax.set_title(f"{pairs} key-value pairs")
         ax.set_xlabel("model width")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
     axes[0][0].set_ylabel("held-out MQAR accuracy")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle("MQAR by value path (depth 3, seq 256; mean ± std over seeds)", fontsize=9)
+    fig.suptitle(
+        "MQAR by value path (depth 3, seq 256): mean ± std over seeds, dots: each seed", fontsize=9
+    )
     return save(fig, path)
 
 
