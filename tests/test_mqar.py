@@ -1,6 +1,8 @@
 """MQAR as a data source: examples solvable by construction, disjoint seeded splits, the
 trainer's config choice, and the accuracy probe on a model built to copy."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -138,3 +140,25 @@ def test_a_model_built_to_copy_scores_above_chance_and_a_blind_one_does_not():
     blind = mqar_probe.evaluate(lambda x: np.zeros((*x.shape, 257), np.float32), cfg, 64)
     assert blind["accuracy"] < 0.05
     assert blind["loss"] == pytest.approx(np.log(257), rel=1e-6)
+
+
+def test_sweep_report_pairs_each_value_path_with_its_baseline_by_seed(tmp_path):
+    from bov_jax.probes import mqar_sweep
+
+    accuracies = {"baseline": [0.2, 0.4, 0.9], "bov": [0.5, 0.6, 0.9]}
+    for path, values in accuracies.items():
+        for seed, accuracy in enumerate(values):
+            workdir = tmp_path / f"{path}_d64_n8" / f"seed{seed}"
+            (workdir / "probes").mkdir(parents=True)
+            (workdir / "status.json").write_text('{"step": 4, "num_steps": 4}')
+            result = {"model_dim": 64, "num_pairs": 8, "accuracy": accuracy, "chance": 0.01}
+            (workdir / "probes" / "mqar.json").write_text(json.dumps(result))
+    unfinished = tmp_path / "bov_d64_n8" / "seed3"
+    unfinished.mkdir()
+    (unfinished / "status.json").write_text('{"step": 2, "num_steps": 4}')
+    written = mqar_sweep.report([str(tmp_path)], tmp_path / "out")
+    table = written[0].read_text()
+    assert "| 8 | 64 | baseline | 0.500 ± 0.361 (n=3) | - |" in table
+    # differences 0.3, 0.2, 0.0: mean 0.167, t(0.975, 2) = 4.303
+    assert "| 8 | 64 | bov | 0.667 ± 0.208 (n=3) | +0.167 [-0.213, +0.546] (n=3) |" in table
+    assert written[2].read_bytes()[:4] == b"\x89PNG"
