@@ -8,6 +8,7 @@ import pytest
 from helpers import randomize, tiny_model
 
 from bov_jax.inference import decode, paged
+from bov_jax.inference.allocator import PageAllocator
 from bov_jax.inference.engine import Engine, EngineConfig, held_back
 from bov_jax.inference.layout import CacheLayout
 from bov_jax.inference.sampling import SamplingParams
@@ -274,3 +275,50 @@ def test_a_sequence_preempted_while_its_prompt_is_scored_scores_each_token_once(
     first = outputs[0]
     assert all(o.prompt_logprobs is None for o in outputs[1:])
     assert_prompt_scores_equal_the_full_forward(model, prompt, first.prompt_logprobs, 2)
+
+
+def test_prefix_sharing_computes_less_and_changes_nothing():
+    """The contexts of multiple-choice items (a context and four continuations, as
+    lm-evaluation-harness scores them) and n samples of one prompt, with and without prefix
+    sharing, through 3 slots with too few pages: the same tokens, logits and prompt scores,
+    fewer tokens computed, and every page back at the end."""
+    model = random_model("d12_bov")
+    contexts = [RNG.integers(1, 200, size=n).tolist() for n in (21, 34)]
+    prompts = [c + RNG.integers(1, 200, size=m).tolist() for c in contexts for m in (1, 3, 6, 2)]
+    prompts += [PROMPTS[2]] * 3
+    params = [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)] * 8
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=10) for s in range(3)]
+    runs = {}
+    for sharing in (False, True):
+        config = EngineConfig(**{**TIGHT.__dict__, "prefix_sharing": sharing})
+        engine = Engine(model, config)
+        runs[sharing] = engine.generate(prompts, params), engine
+    (plain, unshared), (shared, engine) = runs[False], runs[True]
+    assert unshared.scheduler.shared_tokens == 0 < engine.scheduler.shared_tokens
+    for a, b in zip(plain, shared, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=1e-5, atol=2e-5)
+        if a.prompt_logprobs is not None:
+            assert [e and e.token for e in a.prompt_logprobs] == [
+                e and e.token for e in b.prompt_logprobs
+            ]
+            np.testing.assert_allclose(
+                [e.logprob for e in a.prompt_logprobs[1:]],
+                [e.logprob for e in b.prompt_logprobs[1:]],
+                rtol=0,
+                atol=5e-5,
+            )
+    assert engine.allocator.used_pages(0) == engine.allocator.used_pages(1) == 0
+
+
+def test_a_shared_page_is_freed_by_its_last_holder():
+    layout = CacheLayout.build(random_model("d12", depth=2).spec, 4)
+    allocator = PageAllocator(layout, (6, 6), 8)
+    assert allocator.reserve("a", 9)  # three pages in each group
+    free = [allocator.free_pages(g) for g in range(2)]
+    assert allocator.share("b", "a", 8)  # the two full pages: no new page taken
+    assert [allocator.free_pages(g) for g in range(2)] == free
+    allocator.free("a")
+    assert [allocator.free_pages(g) for g in range(2)] == [f + 1 for f in free]  # a's third
+    allocator.free("b")
+    assert [allocator.free_pages(g) for g in range(2)] == [5, 5]

@@ -261,3 +261,28 @@ def test_latency_histograms_move_under_a_small_load(server):
     assert metric(url, "bov:inter_token_latency_seconds_count") == itl + 6
     assert metric(url, "bov:request_success_total", finished_reason="length") == done + 2
     assert metric(url, "bov:generation_tokens_total") == generated + 8
+
+
+def test_the_served_chat_template_renders_as_lm_evals_remote_tokenizer_renders_it(server):
+    """lm-eval renders /tokenizer_info's template itself (messages and add_generation_prompt
+    only) and tokenizes the text with /tokenize: the ids equal the chat route's."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    url, _, _, _ = server
+    template = httpx.get(f"{url}/tokenizer_info", timeout=TIMEOUT_S).json()["chat_template"]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+    ]
+    text = (
+        ImmutableSandboxedEnvironment()
+        .from_string(template)
+        .render(messages=messages, add_generation_prompt=True)
+    )
+    ids = post(url, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert ids == render(SERVED, [ChatMessage(**m) for m in messages])
+    open_turn = {"messages": messages[:3], "add_generation_prompt": False}
+    open_ids = post(url, "/tokenize", {**open_turn, "continue_final_message": True}).json()
+    assert open_ids["tokens"][-1] != SERVED.specials["<|assistant_end|>"]

@@ -3,8 +3,10 @@
 A sequence's block list in a group maps its logical pages (page j holds positions j * P ..
 j * P + P - 1) to pages of that group's pools. Pages are taken as the sequence grows and
 released once no query of it can reach them again (`release_behind`: the group's reach,
-`layout`), their entries then pointing at the null page. Host-side Python only: the device
-sees the block lists as the rows of each step's tables.
+`layout`), their entries then pointing at the null page. Sequences with a common prefix may
+hold the same full pages (`share`): each page counts its holders, and goes back to the free
+list when the last one releases it. Host-side Python only: the device sees the block lists
+as the rows of each step's tables.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class PageAllocator:
             )
         self.layout, self.width, self.pages = layout, width, tuple(pages)
         self._free = [list(range(n - 1, NULL_PAGE, -1)) for n in pages]
+        self._holders: list[dict[int, int]] = [{} for _ in pages]  # page -> sequences holding it
         self._blocks: dict[Hashable, list[list[int]]] = {}
 
     def free_pages(self, group: int) -> int:
@@ -45,26 +48,57 @@ class PageAllocator:
         missing = [max(0, need - len(b)) for b in blocks]
         if any(m > len(free) for m, free in zip(missing, self._free, strict=True)):
             return False
-        for block, free, count in zip(blocks, self._free, missing, strict=True):
-            block.extend(free.pop() for _ in range(count))
+        for group, (block, free, count) in enumerate(zip(blocks, self._free, missing, strict=True)):
+            for _ in range(count):
+                block.append(free.pop())
+                self._holders[group][block[-1]] = 1
         return True
+
+    def share(self, seq: Hashable, donor: Hashable, length: int) -> bool:
+        """Give `seq`, which holds nothing, the pages of `donor` for positions 0 .. length - 1
+        (length a multiple of the page size) that a query at `length` can reach in each group;
+        False, giving nothing, if the donor has released one of them."""
+        size = self.layout.page_size
+        blocks = []
+        for group, block in zip(self.layout.groups, self._blocks.get(donor, ()), strict=True):
+            first = max(0, length - group.reach) // size
+            reached = block[first : length // size]
+            if len(reached) < length // size - first or NULL_PAGE in reached:
+                return False
+            blocks.append([NULL_PAGE] * first + reached)
+        for holders, block in zip(self._holders, blocks, strict=True):
+            for page in block:
+                if page != NULL_PAGE:
+                    holders[page] += 1
+        self._blocks[seq] = blocks
+        return True
+
+    def _let_go(self, group: int, page: int) -> None:
+        """One holder fewer for `page`; free once it has none."""
+        holders = self._holders[group]
+        holders[page] -= 1
+        if not holders[page]:
+            del holders[page]
+            self._free[group].append(page)
 
     def release_behind(self, seq: Hashable, computed: int) -> None:
         """Release the pages of `seq` lying wholly before computed - reach in each group:
         queries at positions >= computed cannot reach them."""
         size = self.layout.page_size
-        for group, free, block in zip(
-            self.layout.groups, self._free, self._blocks.get(seq, ()), strict=False
+        for g, (group, block) in enumerate(
+            zip(self.layout.groups, self._blocks.get(seq, ()), strict=False)
         ):
             for j in range(min(len(block), max(0, computed - group.reach) // size)):
                 if block[j] != NULL_PAGE:
-                    free.append(block[j])
+                    self._let_go(g, block[j])
                     block[j] = NULL_PAGE
 
     def free(self, seq: Hashable) -> None:
-        """Return every page of `seq` (none if it was never given any)."""
-        for free, block in zip(self._free, self._blocks.pop(seq, ()), strict=False):
-            free.extend(page for page in block if page != NULL_PAGE)
+        """Let go of every page of `seq` (none if it was never given any)."""
+        for group, block in enumerate(self._blocks.pop(seq, ())):
+            for page in block:
+                if page != NULL_PAGE:
+                    self._let_go(group, page)
 
     def held(self, seq: Hashable) -> tuple[int, ...]:
         """Pages `seq` holds in each group."""

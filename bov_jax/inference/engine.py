@@ -70,6 +70,7 @@ class EngineConfig:
     seed: int = 0
     record_logits: bool = False  # keep each sampled row's logits on the host (tests)
     block_pages: int = paged.BLOCK_PAGES
+    prefix_sharing: bool = True  # a sequence starts from the pages of a running one's prefix
 
 
 def serving_params(params: nnx.State, dtype: jnp.dtype) -> nnx.State:
@@ -222,7 +223,8 @@ class Engine:
 
     def _empty_cache(self) -> None:
         self.allocator = PageAllocator(self.layout, self.pages, self.width)
-        self.scheduler = Scheduler(self.allocator, self.config.max_seqs, self.chunk)
+        limit = self._share_limit if self.config.prefix_sharing else None
+        self.scheduler = Scheduler(self.allocator, self.config.max_seqs, self.chunk, limit)
         # placed (committed) as the step's outputs are, so the first step compiles once
         self.pools = jax.device_put(paged.init_pools(self.layout, self.pages), self.device)
 
@@ -289,6 +291,28 @@ class Engine:
                 self.aborted += 1
                 outputs.append(self._finish(stream, "abort"))
         return outputs
+
+    def _share_limit(self, seq: Sequence, donor: Sequence, n: int) -> int:
+        """How much of a common prefix of n tokens `seq` may take from `donor`: all of it,
+        or for a prompt being scored what the scores it has or can copy cover."""
+        own = self._streams[seq.id].prompt_scores
+        if own is None:
+            return n
+        theirs = self._streams[donor.id].prompt_scores
+        if theirs is None or donor.params.prompt_logprobs < seq.params.prompt_logprobs:
+            theirs = ()
+        return min(n, max(len(own), len(theirs)) - 1)
+
+    def _take_scores(self, stream: _Stream) -> None:
+        """A sequence admitted on a donor's pages takes the donor's scores of that prefix."""
+        seq = stream.seq
+        donor, seq.donor = seq.donor, None
+        if stream.prompt_scores is None or donor is None:
+            return
+        theirs, k = self._streams[donor.id].prompt_scores, seq.params.prompt_logprobs
+        have = len(stream.prompt_scores)
+        for entry in (theirs or [])[have : seq.computed + 1]:
+            stream.prompt_scores.append(TokenLogprob(entry.token, entry.logprob, entry.top[:k]))
 
     def _forward(
         self,
@@ -459,10 +483,11 @@ class Engine:
         plan = self.scheduler.plan()
         if plan.prefill is not None:
             seq, n = plan.prefill
-            stream, start = self._streams[seq.id], seq.computed
+            stream = self._streams[seq.id]
             if stream.admitted_at is None:
                 stream.admitted_at = time.monotonic()
-            scoring = stream.scoring
+            self._take_scores(stream)
+            start, scoring = seq.computed, stream.scoring
             logits = self._forward([plan.prefill], 1, paged.bucket(n, self.chunk), scoring)
             if scoring:
                 self._score(stream, logits[0], start, n)
@@ -516,7 +541,8 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Running and waiting requests, pages used and free (all groups), tokens/s over
-        the last RATE_WINDOW_S seconds, generated tokens, preemptions, aborts, steps."""
+        the last RATE_WINDOW_S seconds, generated tokens, preemptions, prompt tokens taken
+        from a running sequence's pages (prefix sharing), aborts, steps."""
         groups = range(len(self.layout.groups))
         rate = self.tokens_per_second()
         return {
@@ -527,6 +553,7 @@ class Engine:
             "tokens_per_second": rate,
             "generated_tokens": self.generated_tokens,
             "preemptions": self.scheduler.preemptions,
+            "shared_tokens": self.scheduler.shared_tokens,
             "aborted": self.aborted,
             "steps": self.steps,
         }

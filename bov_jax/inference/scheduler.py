@@ -15,6 +15,12 @@ Each step (FCFS, as vLLM's scheduler):
   2. the prefilling sequence gets its next chunk, preempting as in 1; or, with none, the
      oldest waiting sequence is admitted if a batch slot is free and its first chunk's
      pages are (admission never preempts).
+
+Prefix sharing (vLLM's prefix caching, among the sequences in the engine): a sequence being
+admitted whose tokens begin with full pages that a running sequence has computed (the
+contexts of a multiple-choice item, the n samples of a prompt) takes those pages
+(`PageAllocator.share`) and starts with them computed; `share_limit` (the engine's) may
+shorten the prefix, e.g. to what the donor's prompt scores cover.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from bov_jax.inference.allocator import PageAllocator
 from bov_jax.inference.sampling import SamplingParams
@@ -42,6 +48,7 @@ class Sequence:
     computed: int = 0
     preemptions: int = 0
     arrival: int = dataclasses.field(default_factory=lambda: next(_arrivals))
+    donor: Sequence | None = None  # whose pages it started from, at its last admission
 
     def __post_init__(self) -> None:
         self.tokens = self.tokens or list(self.prompt)
@@ -65,9 +72,25 @@ class Plan:
     preempted: list[Sequence]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_seqs: int, chunk: int):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        max_seqs: int,
+        chunk: int,
+        share_limit: Callable[[Sequence, Sequence, int], int] | None = None,
+    ):
+        """share_limit(seq, donor, n): how much of a common prefix of n tokens seq may take
+        from donor (module doc); None: no prefix sharing."""
         self.allocator, self.max_seqs, self.chunk = allocator, max_seqs, chunk
+        self.share_limit = share_limit
+        self.shared_tokens = 0  # prompt tokens not computed: taken from a running sequence
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order: the youngest last
         self.preemptions = 0
@@ -122,8 +145,28 @@ class Scheduler:
             decode = [s for s in decode if s in self.running]
         elif self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
+            self._share_prefix(seq)
             tokens = min(self.chunk, seq.uncomputed)
-            if self.allocator.reserve(seq.id, tokens):
+            if self.allocator.reserve(seq.id, seq.computed + tokens):
                 self.running.append(self.waiting.popleft())
                 prefill = (seq, tokens)
+            else:  # waiting holds no pages
+                self.allocator.free(seq.id)
+                seq.computed, seq.donor = 0, None
         return Plan(prefill, decode, preempted)
+
+    def _share_prefix(self, seq: Sequence) -> None:
+        """Start `seq` from the longest prefix of full pages a running sequence computed."""
+        seq.donor = None
+        if self.share_limit is None:
+            return
+        size, best = self.allocator.layout.page_size, 0
+        for other in self.running:
+            n = common_prefix(other.tokens[: other.computed], seq.tokens[: seq.uncomputed - 1])
+            n = self.share_limit(seq, other, n) // size * size
+            if n > best and self.allocator.share(seq.id, other.id, n):
+                self.allocator.free(seq.id)  # keep looking; take the best one below
+                best, seq.donor = n, other
+        if best and self.allocator.share(seq.id, seq.donor.id, best):
+            seq.computed = best
+            self.shared_tokens += best

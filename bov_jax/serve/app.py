@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from bov_jax.inference.texts import Tokenizer
+from bov_jax.interop.hf_tokenizer import CHAT_TEMPLATE
 from bov_jax.serve import chat, completions, errors, tokens
 from bov_jax.serve.engine_loop import EngineLoop
 from bov_jax.serve.errors import BadRequest, field_of
@@ -115,7 +116,7 @@ def create_app(loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> FastA
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> JSONResponse:
-        info = tokens.tokenizer_info(served.tokenizer, served.max_model_len, chat.CHAT_TEMPLATE)
+        info = tokens.tokenizer_info(served.tokenizer, served.max_model_len, CHAT_TEMPLATE)
         return JSONResponse(info)
 
     return app

@@ -33,21 +33,6 @@ from bov_jax.serve.tokens import ServedTokenizer, check_text
 USER = ("<|user_start|>", "<|user_end|>")
 ASSISTANT = ("<|assistant_start|>", "<|assistant_end|>")
 
-# The same rendering as a Jinja chat template (Hugging Face clients, /tokenizer_info).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% set ns = namespace(system='') %}"
-    "{% for m in messages %}"
-    "{% set text = m['content'] if m['content'] is string else "
-    "m['content'] | map(attribute='text') | join('') %}"
-    "{% if m['role'] in ['system', 'developer'] %}{% set ns.system = ns.system + text + '\\n\\n' %}"
-    "{% elif m['role'] == 'user' %}<|user_start|>{{ ns.system + text }}<|user_end|>"
-    "{% set ns.system = '' %}"
-    "{% else %}<|assistant_start|>{{ text }}"
-    "{% if not (loop.last and continue_final_message) %}<|assistant_end|>{% endif %}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt and not continue_final_message %}<|assistant_start|>{% endif %}"
-)
-
 
 def turns(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
     """(role, text) of each turn: system messages joined to the next user message; ValueError

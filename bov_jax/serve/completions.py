@@ -35,7 +35,8 @@ from bov_jax.serve.tokens import check_text
 
 
 def prompt_ids(body: CompletionRequest, served: Served) -> tuple[list[list[int]], list[str]]:
-    """(token ids, text) of each prompt; ValueError naming prompt. Runs off the event loop."""
+    """(token ids, text) of each prompt (the text of token ids only for echo); ValueError
+    naming prompt. Runs off the event loop."""
     prompt, tokenizer, context = body.prompt, served.tokenizer, served.max_model_len
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -51,7 +52,9 @@ def prompt_ids(body: CompletionRequest, served: Served) -> tuple[list[list[int]]
     ids = [prompt] if prompt and isinstance(prompt[0], int) else [list(p) for p in prompt]
     if not ids or not all(ids):
         raise ValueError("prompt: expected at least one non-empty prompt")
-    return ids, [tokenizer.decode(p, specials=False) for p in ids]
+    if any(not 0 <= t < served.vocab_size for p in ids for t in p):
+        raise ValueError(f"prompt: token ids must lie in [0, {served.vocab_size})")
+    return ids, [tokenizer.decode(p, specials=False) if body.echo else "" for p in ids]
 
 
 def engine_parts(body: CompletionRequest, served: Served, ids: list[list[int]]) -> list[Part]:

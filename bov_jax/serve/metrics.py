@@ -12,6 +12,7 @@ Read from the engine at each scrape (gauges and counters):
     bov:num_requests_running, bov:num_requests_waiting, bov:kv_cache_usage_perc (a
     fraction, as vLLM's), bov:pages_used, bov:pages_free, bov:tokens_per_second (over the
     last seconds up to now: 0 when idle), bov:num_preemptions_total,
+    bov:prefix_shared_tokens_total,
     bov:requests_aborted_total, bov:engine_steps_total
 """
 
@@ -60,6 +61,10 @@ class EngineCollector(Collector):
         }
         counters = {
             "num_preemptions": ("Sequences preempted for pages.", s["preemptions"]),
+            "prefix_shared_tokens": (
+                "Prompt tokens taken from a running sequence's pages, not computed.",
+                s["shared_tokens"],
+            ),
             "requests_aborted": ("Requests aborted (client gone).", s["aborted"]),
             "engine_steps": ("Engine steps run.", s["steps"]),
         }

@@ -90,7 +90,7 @@ def tokenize(body: TokenizeRequest, tokenizer: ServedTokenizer, max_model_len: i
     if (body.prompt is None) == (body.messages is None):
         raise ValueError("prompt: give one of prompt or messages")
     if body.messages is not None:
-        ids = render(body.messages, body.add_generation_prompt, False)
+        ids = render(body.messages, body.add_generation_prompt, body.continue_final_message)
     else:
         ids = tokenizer.encode(body.prompt, body.add_special_tokens)
     strs = [tokenizer.piece(i) for i in ids] if body.return_token_strs else None
