@@ -66,9 +66,9 @@ def server(request):
     first test to need a warm server releases it)."""
     release = threading.Event()
 
-    def held(engine: Engine) -> None:
+    def held(engine: Engine, stopping) -> None:
         release.wait(TIMEOUT_S)
-        warmup.compile_steps(engine)
+        warmup.compile_steps(engine, stopping)
 
     engine = Engine(served_model(), CONFIG, TOKENIZER)
     with pytest.MonkeyPatch.context() as patch:

@@ -27,6 +27,7 @@ import errno
 import ipaddress
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,6 +216,16 @@ def use_compilation_cache(folder: str) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """`start`, with Ctrl-C before the server runs (while loading) one line, not a traceback
+    (once it runs, signals drain it: running.py)."""
+    try:
+        start(argv)
+    except KeyboardInterrupt:
+        print("interrupted before the server started", file=sys.stderr)
+        sys.exit(130)
+
+
+def start(argv: list[str]) -> None:
     import jax
 
     from bov_jax.evals.loading import load_checkpoint, load_config

@@ -31,9 +31,10 @@ class ServerStopping(RuntimeError):
 
 class EngineLoop:
     """The engine on its own thread; outputs routed to the submitting handlers' queues.
-    warmup: run on the thread before it serves (`ready` is set when it returns)."""
+    warmup: run on the thread before it serves (`ready` is set when it returns), given a
+    callable that says whether the loop is stopping (a warm-up stops early then)."""
 
-    def __init__(self, engine: Engine, warmup: Callable[[], None] | None = None):
+    def __init__(self, engine: Engine, warmup: Callable[[Callable[[], bool]], None] | None = None):
         self.engine = engine
         self._warmup = warmup
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -120,7 +121,7 @@ class EngineLoop:
     def _run(self) -> None:
         if self._warmup is not None:
             try:
-                self._warmup()
+                self._warmup(lambda: self._stopping)
             except Exception:  # serving may still work: the steps compile when first run
                 log.exception("the warm-up failed; steps will compile as requests need them")
         self.ready.set()

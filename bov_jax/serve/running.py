@@ -66,7 +66,9 @@ def application(
     max_body_bytes: int = errors.MAX_BODY_BYTES,
 ) -> tuple[EngineLoop, FastAPI]:
     """The engine loop (started; warming up first if `warmup`) and the app over it."""
-    loop = EngineLoop(engine, (lambda: compile_steps(engine)) if warmup else None)
+    loop = EngineLoop(
+        engine, (lambda stopping: compile_steps(engine, stopping)) if warmup else None
+    )
     loop.start()
     app = create_app(loop, tokenizer, model_name)
     app.state.max_body_bytes = max_body_bytes

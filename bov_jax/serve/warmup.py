@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -71,13 +72,17 @@ def sample_padding(logits: jax.Array) -> None:
         sampling.sample_rows(logits, [Row(params, 0, 1, (0,), ())] * logits.shape[0])
 
 
-def compile_steps(engine: Engine) -> None:
+def compile_steps(engine: Engine, stopping: Callable[[], bool] = lambda: False) -> None:
     """Compile (and run once) every step shape and the sampler at every row count; logs
-    how many and how long. Call it on the thread that steps the engine, before it steps."""
+    how many and how long. Call it on the thread that steps the engine, before it steps;
+    it ends early once `stopping()` (the server is shutting down)."""
     start = time.monotonic()
     shapes = step_shapes(engine)
     sampled: set[int] = set()
     for shape in shapes:
+        if stopping():
+            log.info("warm-up stopped: the server is shutting down")
+            return
         logits = run_step(engine, shape)
         if shape[0] not in sampled:
             sample_padding(logits)
