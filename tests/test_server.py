@@ -265,7 +265,7 @@ def test_the_serve_command_serves_a_workdir(workdir):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     command = [sys.executable, "-m", "bov_jax.serve", f"--workdir={workdir}", f"--port={port}"]
     process = subprocess.Popen(
-        [*command, "--max_seqs=2"],
+        [*command, "--max_seqs=2", "--nowarmup"],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

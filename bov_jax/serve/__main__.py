@@ -70,6 +70,12 @@ def define_flags() -> None:
     )
     flags.DEFINE_float("drain_s", 30.0, "Seconds requests in flight may finish after a signal.")
     flags.DEFINE_float("max_body_mib", 1.0, "Largest request body (MiB); larger ones get 413.")
+    flags.DEFINE_float(
+        "memory_fraction",
+        0.9,
+        "Share of an NVIDIA GPU's memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, unless "
+        "set): the capacity plan assumes 1 - its margin; JAX's own default is 0.75.",
+    )
 
 
 def quiet_libraries() -> None:
@@ -243,6 +249,9 @@ def start(argv: list[str]) -> None:
     for name in ("drain_s", "max_body_mib"):
         if not f[name].value > 0:
             raise UserError(f"--{name}={f[name].value}; expected a positive number")
+    if not 0 < f.memory_fraction <= 1:
+        raise UserError(f"--memory_fraction={f.memory_fraction}; expected a number in (0, 1]")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{f.memory_fraction:.2f}")
     sock = claim_port(f.host, f.port)
     if not is_local(f.host):
         log.warning(

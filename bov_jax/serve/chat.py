@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bov_jax.serve import fanout
 from bov_jax.serve.completions import usage
-from bov_jax.serve.errors import BadRequest, error_response, field_of
+from bov_jax.serve.engine_loop import ServerStopping
+from bov_jax.serve.errors import BadRequest, error_response, field_of, stream_error
 from bov_jax.serve.fanout import Served
 from bov_jax.serve.protocol import ChatCompletionRequest, ChatMessage, chat_logprobs
 from bov_jax.serve.tokens import ServedTokenizer, check_text
@@ -136,6 +137,8 @@ async def create(body: ChatCompletionRequest, request: Request, served: Served):
         )
     try:
         wholes = await fanout.collected(request, served, submitted)
+    except ServerStopping as err:
+        return error_response(503, str(err), None, "server_error")
     except Exception as err:
         return error_response(500, f"the engine failed: {err}", None, "server_error")
     if wholes is None:
@@ -187,6 +190,5 @@ async def _events(body, request, served, submitted, head, prompt_tokens, logprob
             total = usage(prompt_tokens * len(submitted), sum(generated.values()))
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': total})}\n\n"
     except Exception as err:
-        error = {"message": f"the engine failed: {err}", "type": "server_error", "code": 500}
-        yield f"data: {json.dumps({'error': error})}\n\n"
+        yield f"data: {json.dumps({'error': stream_error(err)})}\n\n"
     yield "data: [DONE]\n\n"

@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bov_jax.inference.engine import Output, TokenLogprob
 from bov_jax.serve import fanout
-from bov_jax.serve.errors import BadRequest, error_response, field_of
+from bov_jax.serve.engine_loop import ServerStopping
+from bov_jax.serve.errors import BadRequest, error_response, field_of, stream_error
 from bov_jax.serve.fanout import Part, Served
 from bov_jax.serve.protocol import CompletionRequest, completion_logprobs
 from bov_jax.serve.tokens import check_text
@@ -153,6 +154,8 @@ async def create(body: CompletionRequest, request: Request, served: Served):
         )
     try:
         wholes = await fanout.collected(request, served, submitted)
+    except ServerStopping as err:
+        return error_response(503, str(err), None, "server_error")
     except Exception as err:
         return error_response(500, f"the engine failed: {err}", None, "server_error")
     if wholes is None:
@@ -196,8 +199,7 @@ async def _events(
             total = usage(prompt_tokens, sum(generated.values()))
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': total})}\n\n"
     except Exception as err:
-        error = {"message": f"the engine failed: {err}", "type": "server_error", "code": 500}
-        yield f"data: {json.dumps({'error': error})}\n\n"
+        yield f"data: {json.dumps({'error': stream_error(err)})}\n\n"
     yield "data: [DONE]\n\n"
 
 

@@ -32,6 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from bov_jax.serve.engine_loop import ServerStopping
+
 log = logging.getLogger("bov_jax.serve")
 MAX_BODY_BYTES = 1 << 20  # the default body-size limit (`--max_body_mib`)
 DISCARD_BODIES = 64  # a refused body is read (and dropped) up to this many limits
@@ -252,3 +254,11 @@ def install(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         answer = error_response(err.status_code, message, None, kind)
         answer.headers.update(err.headers or {})
         return answer
+
+
+def stream_error(err: Exception) -> dict:
+    """The error event that ends a stream a failure cut: 503 when the server is stopping
+    (a drain's end), else 500."""
+    if isinstance(err, ServerStopping):
+        return {"message": str(err), "type": "server_error", "code": 503}
+    return {"message": f"the engine failed: {err}", "type": "server_error", "code": 500}
