@@ -286,3 +286,36 @@ def test_the_served_chat_template_renders_as_lm_evals_remote_tokenizer_renders_i
     open_turn = {"messages": messages[:3], "add_generation_prompt": False}
     open_ids = post(url, "/tokenize", {**open_turn, "continue_final_message": True}).json()
     assert open_ids["tokens"][-1] != SERVED.specials["<|assistant_end|>"]
+
+
+def test_the_remaining_rows_of_the_feature_table(server, caplog):
+    """return_tokens_as_token_ids; a field of no protocol accepted with a warning; chat with
+    n, logprobs / top_logprobs and max_completion_tokens (guidellm's field)."""
+    url, _, _, _ = server
+    ids = [TOKENIZER.bos_id, *TOKENIZER.encode_one(PROMPT)]
+    answer = completion(
+        url, prompt=ids, max_tokens=3, temperature=0, logprobs=2, return_tokens_as_token_ids=True
+    )
+    tokens = answer["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 3 and all(t.startswith("token_id:") for t in tokens)
+    with caplog.at_level("WARNING", logger="bov_jax.serve.protocol"):
+        extra = completion(url, prompt=ids, max_tokens=2, my_clients_field=1)
+    assert extra["choices"][0]["finish_reason"] in ("length", "stop")
+    assert "my_clients_field" in caplog.text
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_completion_tokens": 4,
+        "n": 2,
+        "seed": 5,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "ignore_eos": True,
+    }
+    chat = post(url, "/v1/chat/completions", body).json()
+    assert sorted(c["index"] for c in chat["choices"]) == [0, 1]
+    for choice in chat["choices"]:
+        content = choice["logprobs"]["content"]
+        assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
+        assert "".join(c["token"] for c in content) == choice["message"]["content"]
+    assert chat["usage"]["completion_tokens"] == 8
