@@ -319,3 +319,12 @@ def test_the_remaining_rows_of_the_feature_table(server, caplog):
         assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
         assert "".join(c["token"] for c in content) == choice["message"]["content"]
     assert chat["usage"]["completion_tokens"] == 8
+
+
+def test_a_request_cut_by_a_drain_is_a_503_and_an_engine_failure_a_500():
+    from bov_jax.serve.engine_loop import ServerStopping
+    from bov_jax.serve.errors import failure, stream_error
+
+    assert failure(ServerStopping("the server stopped")) == (503, "the server stopped")
+    assert failure(RuntimeError("boom")) == (500, "the engine failed: boom")
+    assert stream_error(ServerStopping("stopped"))["code"] == 503

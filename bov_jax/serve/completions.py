@@ -28,8 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bov_jax.inference.engine import Output, TokenLogprob
 from bov_jax.serve import fanout
-from bov_jax.serve.engine_loop import ServerStopping
-from bov_jax.serve.errors import BadRequest, error_response, field_of, stream_error
+from bov_jax.serve.errors import BadRequest, field_of, stream_error
 from bov_jax.serve.fanout import Part, Served
 from bov_jax.serve.protocol import CompletionRequest, completion_logprobs
 from bov_jax.serve.tokens import check_text
@@ -152,14 +151,9 @@ async def create(body: CompletionRequest, request: Request, served: Served):
             _events(body, request, served, submitted, head, choices, prompt_tokens),
             media_type="text/event-stream",
         )
-    try:
-        wholes = await fanout.collected(request, served, submitted)
-    except ServerStopping as err:
-        return error_response(503, str(err), None, "server_error")
-    except Exception as err:
-        return error_response(500, f"the engine failed: {err}", None, "server_error")
-    if wholes is None:
-        return error_response(499, "client closed the request", None, "invalid_request_error")
+    wholes = await fanout.collected(request, served, submitted)
+    if isinstance(wholes, JSONResponse):  # no completion: the error's answer
+        return wholes
     out = [
         choices.choice(
             w.part, w.text, w.token_ids, w.logprobs, w.prompt_logprobs, w.finish_reason,

@@ -256,9 +256,15 @@ def install(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         return answer
 
 
-def stream_error(err: Exception) -> dict:
-    """The error event that ends a stream a failure cut: 503 when the server is stopping
-    (a drain's end), else 500."""
+def failure(err: Exception) -> tuple[int, str]:
+    """(status, message) of a request a failure cut: 503 when the server is stopping (a
+    drain's end), else 500 (the engine failed)."""
     if isinstance(err, ServerStopping):
-        return {"message": str(err), "type": "server_error", "code": 503}
-    return {"message": f"the engine failed: {err}", "type": "server_error", "code": 500}
+        return 503, str(err)
+    return 500, f"the engine failed: {err}"
+
+
+def stream_error(err: Exception) -> dict:
+    """The error event that ends a stream a failure cut (`failure`)."""
+    status, message = failure(err)
+    return {"message": message, "type": "server_error", "code": status}

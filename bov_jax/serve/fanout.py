@@ -11,9 +11,11 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from bov_jax.inference.engine import Output, TokenLogprob
 from bov_jax.inference.sampling import SamplingParams
+from bov_jax.serve import errors
 from bov_jax.serve.engine_loop import EngineLoop
 from bov_jax.serve.metrics import Metrics, RequestTimer
 from bov_jax.serve.tokens import ServedTokenizer
@@ -149,11 +151,18 @@ class Whole:
 
 async def collected(
     request: Request, served: Served, submitted: list[tuple[Part, asyncio.Queue, RequestTimer]]
-) -> list[Whole] | None:
-    """Every part's whole completion, by index; None if the client left first."""
+) -> list[Whole] | JSONResponse:
+    """Every part's whole completion, by index; or the error answer: 499 if the client left
+    first, 503 / 500 if a failure cut the request (`errors.failure`)."""
     wholes = {part.index: Whole(part) for part, _, _ in submitted}
-    async for part, out in merged(request, served, submitted):
-        wholes[part.index].add(out)
+    try:
+        async for part, out in merged(request, served, submitted):
+            wholes[part.index].add(out)
+    except Exception as err:
+        status, message = errors.failure(err)
+        return errors.error_response(status, message, None, "server_error")
     if any(w.finish_reason is None for w in wholes.values()):
-        return None
+        return errors.error_response(
+            499, "client closed the request", None, "invalid_request_error"
+        )
     return [wholes[i] for i in sorted(wholes)]
