@@ -47,6 +47,7 @@ def names(path: Path) -> set[str]:
 
 def run_on_image(*args: str) -> subprocess.CompletedProcess:
     allowed = names(BENCHMARKS / "h200_image_packages.txt") | names(BENCHMARKS / "h200_wheels.txt")
+    allowed.add("bov-jax")  # the project itself: its working tree travels to the device
     return subprocess.run(
         [sys.executable, "-c", IMAGE_ONLY, ",".join(sorted(allowed)), *args],
         cwd=REPO,

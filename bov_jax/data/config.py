@@ -65,7 +65,7 @@ def tokenizer_path(data_cfg: ml_collections.ConfigDict) -> Path:
 
 def source(data_cfg: ml_collections.ConfigDict) -> str:
     """data.source; "shards" for configs recorded before it existed."""
-    return data_cfg.get("source", "shards")
+    return getattr(data_cfg, "source", "shards")
 
 
 def _check_keys(data_cfg: ml_collections.ConfigDict) -> None:

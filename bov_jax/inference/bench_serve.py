@@ -83,6 +83,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def metric(text: str, name: str) -> float:
+    """The value of the one sample of `name` in Prometheus text (the server's one model)."""
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    if found is None:
+        raise ValueError(f"/metrics has no {name}")
+    return float(found.group(1))
+
+
 async def drive(url: str, model: str, mix: Sequence[Request], clients: int) -> dict:
     """Send the mix through `clients` concurrent streams; the run's figures."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -95,7 +103,7 @@ async def drive(url: str, model: str, mix: Sequence[Request], clients: int) -> d
     async def poll(http: httpx.AsyncClient) -> None:
         while not done.is_set():
             text = (await http.get(f"{url}/metrics")).text
-            pages.append(float(re.search(r"^bov_pages_used (\S+)$", text, re.M).group(1)))
+            pages.append(metric(text, "bov:pages_used"))
             await asyncio.sleep(METRICS_POLL_S)
 
     async def client(http: httpx.AsyncClient) -> None:
@@ -108,6 +116,7 @@ async def drive(url: str, model: str, mix: Sequence[Request], clients: int) -> d
                 "max_tokens": request.max_tokens,
                 "temperature": 1.0,
                 "stream": True,
+                "stream_options": {"include_usage": True},
                 "ignore_eos": True,
             }
             last, first = time.perf_counter(), True
@@ -118,10 +127,11 @@ async def drive(url: str, model: str, mix: Sequence[Request], clients: int) -> d
                         continue
                     now = time.perf_counter()
                     chunk = json.loads(line[6:])
-                    if "usage" in chunk:
+                    if chunk.get("usage"):
                         tokens += chunk["usage"]["completion_tokens"]
-                    (first_token if first else gaps).append(now - last)
-                    last, first = now, False
+                    if chunk["choices"]:  # not the usage chunk
+                        (first_token if first else gaps).append(now - last)
+                        last, first = now, False
 
     async with httpx.AsyncClient(timeout=600) as http:
         before = await http.get(f"{url}/metrics")
@@ -132,10 +142,7 @@ async def drive(url: str, model: str, mix: Sequence[Request], clients: int) -> d
         done.set()
         await poller
         after = await http.get(f"{url}/metrics")
-    preempted = [
-        float(re.search(r"^bov_preemptions_total (\S+)$", m.text, re.M).group(1))
-        for m in (before, after)
-    ]
+    preempted = [metric(m.text, "bov:num_preemptions_total") for m in (before, after)]
     return {
         "tokens": tokens,
         "seconds": wall,
