@@ -334,6 +334,19 @@ class Engine:
         end_page = int(max(start + np.maximum(counts, 1) - 1)) // self.layout.page_size
         spans = paged.spans_for(self.layout, end_page, columns, self.width)
         self.shapes.add((batch, columns, spans, every_position))
+        logits = self.run_step(inputs, spans, every_position)
+        for seq, n in rows:
+            seq.computed += n
+        return logits
+
+    def run_step(
+        self,
+        inputs: paged.StepInput,
+        spans: tuple[tuple[int, int], ...],
+        every_position: bool = False,
+    ) -> jax.Array:
+        """`paged.forward_step` over this engine's weights and pools (donated, then replaced
+        by the ones it returns): the logits (`_forward`; the server's warm-up)."""
         logits, self.pools = paged.forward_step(
             self.graphdef,
             self.params,
@@ -344,8 +357,6 @@ class Engine:
             block_pages=self.config.block_pages,
             every_position=every_position,
         )
-        for seq, n in rows:
-            seq.computed += n
         return logits
 
     def _sample(self, logits: jax.Array, seqs: list[Sequence]) -> list[Output]:

@@ -53,17 +53,7 @@ def run_step(engine: Engine, shape: Shape) -> jax.Array:
     inputs = paged.StepInput(
         np.zeros((rows, columns), np.int32), zeros, zeros, zeros, engine.allocator.tables([], rows)
     )
-    logits, engine.pools = paged.forward_step(
-        engine.graphdef,
-        engine.params,
-        engine.pools,
-        inputs,
-        layout=engine.layout,
-        spans=spans,
-        block_pages=engine.config.block_pages,
-        every_position=False,
-    )
-    return logits
+    return engine.run_step(inputs, spans)
 
 
 def sample_padding(logits: jax.Array) -> None:
