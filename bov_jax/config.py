@@ -22,6 +22,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from bov_jax.data.config import default_data_config
+from bov_jax.data.mqar import default_mqar_config
 from bov_jax.errors import ConfigError
 
 AUTO_DEVICE_ROWS = 0  # train.device_batch_size: bov_jax/train/device_rows.py decides
@@ -302,12 +303,13 @@ def describe_keys(
     config: ml_collections.ConfigDict | None = None,
 ) -> list[tuple[str, object, str]]:
     """(key, value, one-line doc) of every key of `config` (default: the schema's defaults),
-    the docs from the comments in this file and in bov_jax/data/config.py."""
+    the docs from the comments in this file, bov_jax/data/config.py and bov_jax/data/mqar.py."""
     sections = dict(c="", m="model.", o="optim.", t="train.", mesh="mesh.", ck="checkpoint.")
     docs = (
         KEY_DOCS
         | _source_docs(default_config, sections)
         | _source_docs(default_data_config, {"c": "data."})
+        | _source_docs(default_mqar_config, {"c": "data.mqar."})
     )
     values = key_paths(default_config() if config is None else config)
     return [(key, value, docs.get(key, "")) for key, value in values.items()]

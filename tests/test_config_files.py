@@ -151,3 +151,11 @@ def test_a_damaged_workdir_config_is_one_line_for_the_workdir_commands(tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr
     assert f"{tmp_path / 'config.json'} is not the JSON a run writes" in errors[0]
+
+
+def test_every_key_of_the_schema_has_a_doc_for_show_config():
+    from bov_jax.config import describe_keys
+
+    undocumented = [key for key, _, doc in describe_keys() if not doc]
+    assert undocumented == []
+    assert any(key == "data.mqar.num_pairs" for key, _, _ in describe_keys())

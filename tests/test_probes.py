@@ -81,3 +81,65 @@ def test_passkey_read_back_through_the_engine_is_the_full_forward_argmax(model):
             padded[0, : len(ids)] = ids
             ids.append(int(np.asarray(forward(params, padded))[0, len(ids) - 1].argmax()))
         assert completion == ids[len(prompt) :]
+
+
+def fake_lm_result(seed: int, shift: float) -> dict:
+    """An lm probe result of two positions, one induction cell and one passkey context."""
+    return {
+        "name": "fake",
+        "step": 10,
+        "seed": seed,
+        "seq_len": 4,
+        "value_path": {},
+        "positions": {
+            "mean": 2.0 + seed + shift,
+            "by_position": [2.0 + seed + shift] * 4,
+            "bins": [{"first": 0, "last": 3, "loss": 2.0 + seed + shift}],
+        },
+        "induction": [
+            {"span": 2, "distance": 2, "accuracy": 0.1 * seed + shift, "loss": 1.0, "tokens": 1}
+        ],
+        "passkey": [
+            {"context": 64, "depth": 0.0, "accuracy": shift},
+            {"context": 64, "depth": 1.0, "accuracy": 0.0},
+        ],
+    }
+
+
+def test_the_lm_sweep_report_pairs_each_seed_with_the_baseline_and_probes_no_job_twice(
+    tmp_path, monkeypatch
+):
+    import json
+
+    from bov_jax.probes import lm_sweep
+
+    for run, shift in (("d12", 0.0), ("d12_bov", 0.25)):
+        for seed in range(3):
+            job = tmp_path / "root" / run / f"seed{seed}"
+            (job / "probes").mkdir(parents=True)
+            (job / "status.json").write_text(json.dumps({"step": 10, "num_steps": 10}))
+            (job / "probes" / "lm_step10.json").write_text(json.dumps(fake_lm_result(seed, shift)))
+    unfinished = tmp_path / "root" / "d12_bov" / "seed3"
+    unfinished.mkdir()
+    (unfinished / "status.json").write_text(json.dumps({"step": 5, "num_steps": 10}))
+
+    def no_probe(*args):
+        raise AssertionError(f"probed {args[0]} again")
+
+    monkeypatch.setattr(lm_sweep, "probe_run", no_probe)
+    written = lm_sweep.report(tmp_path / "root", tmp_path / "out", "d12", 1, 1, 1)
+    assert [p.name for p in written] == ["lm_probes.md", "lm_probes.json", "lm_probes.png"]
+    assert all(p.stat().st_size > 0 for p in written)
+    sections = {
+        part.splitlines()[0]: {line.split(" | ")[0]: line for line in part.splitlines()}
+        for part in written[0].read_text().split("\n## ")[1:]
+    }
+    rows = {**sections["induction accuracy"], **sections["loss by position (nats)"]}
+    rows.update(sections["passkey accuracy"])
+    # every seed differs from its baseline by exactly +0.25: a zero-width interval, n = 3
+    assert rows["| every position"].endswith(
+        "| 3.000 ± 1.000 (n=3) | 3.250 ± 1.000 (n=3) | +0.250 [+0.250, +0.250] (n=3) |"
+    )
+    assert "+0.250 [+0.250, +0.250] (n=3)" in rows["| span 2, distance 2"]
+    assert rows["| context 64, every depth"].endswith("| +0.125 [+0.125, +0.125] (n=3) |")
+    assert set(json.loads(written[1].read_text())["runs"]["d12_bov"]) == {"0", "1", "2"}

@@ -14,22 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from bov_jax.files import write_json_atomic
+from bov_jax.files import write_json_atomic, write_text_atomic
+from bov_jax.probes.jobs import finished_jobs, seed_of
 from bov_jax.probes.mqar import probe_run
 from bov_jax.report.stats import paired_difference, summarize
 
 BASELINE = "baseline"
 Cell = tuple[str, int, int]  # (value path, width, pairs)
-
-
-def finished_jobs(root: Path) -> list[Path]:
-    """Workdirs root/<run>/seed<k> whose status.json says they reached their horizon."""
-    jobs = []
-    for status in sorted(root.glob("*/seed*/status.json")):
-        record = json.loads(status.read_text())
-        if record["step"] >= record["num_steps"]:
-            jobs.append(status.parent)
-    return jobs
 
 
 def scores(roots: list[Path]) -> dict[Cell, dict[int, float]]:
@@ -42,7 +33,7 @@ def scores(roots: list[Path]) -> dict[Cell, dict[int, float]]:
             probe_run(workdir)
         result = json.loads(probe.read_text())
         path = workdir.parent.name.rsplit("_d", 1)[0]
-        seed = int(workdir.name.removeprefix("seed"))
+        seed = seed_of(workdir)
         out[(path, result["model_dim"], result["num_pairs"])][seed] = result["accuracy"]
     return dict(out)
 
@@ -125,7 +116,7 @@ def report(roots: list[str], out: str | Path) -> list[Path]:
     chance = json.loads(next(probes).read_text())["chance"]
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "mqar.md", out / "mqar_scores.json"]
-    written[0].write_text(table(cells, chance))
+    write_text_atomic(written[0], table(cells, chance))
     records: list[dict[str, Any]] = [
         {"value_path": p, "width": w, "pairs": n, "accuracy_by_seed": cells[(p, w, n)]}
         for p, w, n in sorted(cells)

@@ -17,9 +17,9 @@ VALUE_PATHS = {
     "x0_learned": "d12_x0_learn",
     "v1_learned": "d12_v1_learn",
 }
-WIDTHS = (64, 128, 256)
+WIDTHS = (32, 64, 128)
 PAIRS = (8, 32, 64)
-STEPS = 400
+STEPS = 300
 
 
 def run_name(path: str, width: int, pairs: int) -> str:
