@@ -97,3 +97,20 @@ def test_the_decoding_step_lowers_its_kernels_per_platform(preset, platform, tri
 def test_paged_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("BOV_PAGED_KERNEL", "0")
     assert lowered_decode_step("d12", "cuda").count(TRITON_CALL) == 0
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("columns", [1, 3, 16])
+def test_spans_cover_every_page_a_window_reaches_and_no_page_more(page_size, columns):
+    layout = CacheLayout.build(tiny_model("d12", depth=4).spec, page_size)
+    width = 1024 // page_size
+    widest = dict.fromkeys((r.window for r in layout.layers), 0)
+    for start in range(0, 512):
+        end_page = (start + columns - 1) // page_size
+        for window, span in paged.spans_for(layout, end_page, columns, width):
+            first = max(start - window, 0) // page_size  # where the step's reads begin
+            touched = end_page - first + 1
+            assert touched <= span, (start, window)
+            widest[window] = max(widest[window], touched)
+    far = paged.spans_for(layout, 511 // page_size, columns, width)
+    assert dict(far) == widest  # far from the start, the span is the most pages ever touched

@@ -79,15 +79,17 @@ def spans_for(
     """((window, logical pages read), ...) for each window of the layout's layers, in a step
     of `columns` tokens a row whose last page is `end_page` (the largest among its rows).
 
-    A row's queries read from the page holding start - window to the one holding its last
-    token: at most end_page + 1 pages, rounded up to a power of two (so a step's spans follow
-    from end_page's bucket and columns: few compiled shapes), and never more than
-    (window + columns - 1) // P + 2, a constant of the window and columns, not rounded (a
-    short window reads its few pages, not the next power of two)."""
+    A row's queries read positions start - window .. start + columns - 1 (window + columns
+    positions), from the page holding the first to the one holding the last: at most
+    end_page + 1 pages, rounded up to a power of two (so a step's spans follow from end_page's
+    bucket and columns: few compiled shapes), and never more than the most pages that many
+    consecutive positions can touch, (window + columns + P - 2) // P + 1, a constant of the
+    window and columns, not rounded (a short window reads its few pages, not the next power of
+    two)."""
     size = layout.page_size
     reach = bucket(end_page + 1, width)
     return tuple(
-        (window, min(reach, (window + columns - 1) // size + 2, width))
+        (window, min(reach, (window + columns + size - 2) // size + 1, width))
         for window in sorted({reads.window for reads in layout.layers})
     )
 
