@@ -46,6 +46,26 @@ def step_logits(graphdef, state, ids, cache):
     return decode.forward_cached(nnx.merge(graphdef, state), ids, cache)
 
 
+@functools.partial(fast_jit, static_argnames="graphdef")
+def _forward(graphdef, state, ids):
+    return nnx.merge(graphdef, state)(ids)
+
+
+def full_forward(model, ids):
+    """The full forward's logits (B, T, V): one compiled program, not one eager op at a time."""
+    return _forward(*nnx.split(model), ids)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_xla():
+    """FAST_COMPILE for the programs compiled outside this module's jits too (the decoder's
+    prefill and loop), restored for the other modules."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 def random_model(preset: str, seed: int = 3, depth: int = 4, **overrides):
     model = tiny_model(preset, depth=depth, **overrides)
     randomize(model, seed=seed)  # live output projections, smear and coefficients
@@ -59,7 +79,7 @@ def bov_model():
 
 
 def assert_cached_matches_full(model, ids, **kwargs):
-    full = model(ids)
+    full = model(ids)  # eager: its ops' compilations are shared by the presets
     cached = cached_logits(*nnx.split(model), ids, **kwargs)
     assert float(jnp.std(full)) > 0.1
     np.testing.assert_allclose(cached, full, rtol=1e-5, atol=2e-5)
@@ -86,7 +106,7 @@ def test_decode_step_mixes_in_the_stored_previous_embedding():
     _, cache = step_logits(graphdef, state, ids[:, :11], decode.init_cache(model.spec, 1, 12))
     np.testing.assert_array_equal(cache.prev_embedding, model.embed(ids[:, 10:11]))
     step, _ = step_logits(graphdef, state, ids[:, 11:], cache)
-    full = model(ids)
+    full = full_forward(model, ids)
     np.testing.assert_allclose(step[:, 0], full[:, 11], rtol=1e-5, atol=2e-5)
     no_prev = cache._replace(prev_embedding=jnp.zeros_like(cache.prev_embedding))
     wrong, _ = step_logits(graphdef, state, ids[:, 11:], no_prev)
@@ -122,11 +142,10 @@ def full_cache_attention(q, k, v, *, q_positions, k_length, window):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="xla")
 
 
-@pytest.mark.parametrize("queries", [1, 3])
-@pytest.mark.parametrize(("window", "k_length"), [(4, 23), (100, 23), (4, 48), (7, 5)])
-def test_windowed_cache_reads_equal_attention_over_every_slot(window, k_length, queries):
-    """The attentions read only the slots the window reaches (a static count); the table's
-    rows gathered where they are weighed equal attention over the gathered values."""
+@functools.partial(fast_jit, static_argnames=("window", "k_length", "queries"))
+def windowed_reads(window, k_length, queries):
+    """(the reference, the windowed read, the table reference, the fused table read) of a
+    case, in one program (eager, each op of each case compiled on its own)."""
     keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (2, queries, 2, 8))
     k = jax.random.normal(keys[1], (2, 48, 2, 8))
@@ -135,15 +154,25 @@ def test_windowed_cache_reads_equal_attention_over_every_slot(window, k_length, 
     ids = jax.random.randint(keys[3], (2, 48), 0, 30)
     start = max(k_length - queries, 0)
     mask = dict(q_positions=start + jnp.arange(queries), k_length=k_length, window=window)
-    first, count = attention.visible_slots(mask["q_positions"], 48, window)
-    assert count == min(48, window + queries) and 0 <= int(first) <= 48 - count
-    want = full_cache_attention(q, k, v, **mask)
-    assert float(jnp.std(want)) > 0.1
-    np.testing.assert_allclose(
-        attention.cached_attention(q, k, v, **mask), want, rtol=1e-5, atol=1e-6
+    return (
+        full_cache_attention(q, k, v, **mask),
+        attention.cached_attention(q, k, v, **mask),
+        full_cache_attention(q, k, table[ids].reshape(2, 48, 2, 8), **mask),
+        attention.cached_table_attention(q, k, table, ids, **mask),
     )
-    gathered = full_cache_attention(q, k, table[ids].reshape(2, 48, 2, 8), **mask)
-    fused = attention.cached_table_attention(q, k, table, ids, **mask)
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize(("window", "k_length"), [(4, 23), (100, 23), (4, 48), (7, 5)])
+def test_windowed_cache_reads_equal_attention_over_every_slot(window, k_length, queries):
+    """The attentions read only the slots the window reaches (a static count); the table's
+    rows gathered where they are weighed equal attention over the gathered values."""
+    start = max(k_length - queries, 0)
+    first, count = attention.visible_slots(start + np.arange(queries), 48, window)
+    assert count == min(48, window + queries) and 0 <= int(first) <= 48 - count
+    want, cached, gathered, fused = windowed_reads(window, k_length, queries)
+    assert float(jnp.std(want)) > 0.1
+    np.testing.assert_allclose(cached, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(fused, gathered, rtol=1e-5, atol=1e-6)
 
 
@@ -155,7 +184,7 @@ def logits_behind(model, completions):
     seqs = [p + c for p, c in zip(PROMPTS, completions, strict=True)]
     width = max(map(len, seqs))
     ids = jnp.array([s + [0] * (width - len(s)) for s in seqs])  # causal: padding is unseen
-    logits = np.asarray(model(ids))
+    logits = np.asarray(full_forward(model, ids))
     return [logits[r, len(p) - 1 : len(s) - 1] for r, (p, s) in enumerate(zip(PROMPTS, seqs))]
 
 
@@ -197,17 +226,20 @@ def test_choose_cuts_to_top_k_and_top_p_and_is_greedy_at_temperature_0():
     top_k = jnp.array([4, 4, 4, 0, 0, 1])
     top_p = jnp.array([1.0, 1.0, 1.0, 0.5, 0.5, 1.0])
 
+    # one compilation each (called eagerly, every call traced and compiled its conds anew)
+    choose, token_keys = fast_jit(sampling.choose), fast_jit(sampling.token_keys)
+
     def pick(i):
-        keys = sampling.token_keys(jnp.full((6,), i), rows, rows)
-        return sampling.choose(logits, keys, temperature, top_k, top_p)
+        keys = token_keys(jnp.full((6,), i), rows, rows)
+        return choose(logits, keys, temperature, top_k, top_p)
 
     picks = np.stack([pick(i) for i in range(60)])
     assert all(set(picks[:, r]) <= set(order[r, :4]) for r in range(3))
     assert all(set(picks[:, r]) <= nucleus[r] for r in (3, 4))
     assert set(picks[:, 5]) == {order[5, 0]}
     assert len(set(picks[:, 0])) > 1 and len(set(picks[:, 3])) > 1  # it samples
-    keys = sampling.token_keys(rows, rows, rows)
-    greedy = sampling.choose(logits, keys, jnp.zeros(6), top_k, top_p)
+    keys = token_keys(rows, rows, rows)
+    greedy = choose(logits, keys, jnp.zeros(6), top_k, top_p)
     np.testing.assert_array_equal(greedy, np.asarray(logits).argmax(-1))
 
 

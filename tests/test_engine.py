@@ -1,10 +1,18 @@
 """The serving engine against the dense decoder and the full forward, on random weights:
-continuous batching, chunked prefill, sliding windows, preemption and recomputation."""
+continuous batching, chunked prefill, sliding windows, preemption and recomputation.
+
+Most of this file's time is XLA compiling the engine's step shapes (one program per rows,
+columns and pages bucket, per model structure and pool shapes): the engines here share
+TIGHT's pools and block size wherever the property tested allows, so that later tests run
+the programs earlier ones compiled, and XLA compiles with its cheap settings (`fast_xla`)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import randomize, tiny_model
 
 from bov_jax.inference import decode, paged
@@ -34,16 +42,49 @@ VARIANTS = {
 }
 
 
+def tight(**changes) -> EngineConfig:
+    """TIGHT with changes: its pools and blocks, so its compiled step shapes are reused."""
+    return EngineConfig(**{**TIGHT.__dict__, **changes})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_xla():
+    """XLA's cheap compilation (same semantics, slower programs) for this module's many
+    small programs, as test_decode's FAST_COMPILE; restored for the other modules."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@functools.cache
 def random_model(preset: str, depth: int = 4, seed: int = 3):
+    """A tiny model with every weight random; one per arguments (no test changes one)."""
     model = tiny_model(preset, depth=depth)
     randomize(model, seed=seed)  # live output projections, smear and coefficients
     return model
 
 
-def full_logits(model, prompt, completion):
-    """The full forward's logits (n, V) at the positions that produced `completion`."""
-    ids = jnp.asarray([prompt + completion])
-    return np.asarray(model(ids))[0, len(prompt) - 1 :]
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _forward(graphdef, state, ids):
+    return nnx.merge(graphdef, state)(ids)
+
+
+def full_forward(model, seqs):
+    """The full forward's logits (n, V) of each sequence, in one call: the sequences padded
+    to the model's seq_len in one batch (causal: the padding is unseen), one compilation a
+    model structure and batch, not an eager forward per sequence length."""
+    ids = np.zeros((len(seqs), model.spec.seq_len), np.int32)
+    for r, seq in enumerate(seqs):
+        ids[r, : len(seq)] = seq
+    logits = np.asarray(_forward(*nnx.split(model), jnp.asarray(ids)))
+    return [logits[r, : len(seq)] for r, seq in enumerate(seqs)]
+
+
+def full_logits(model, prompts, completions):
+    """The full forward's logits (n, V) at the positions that produced each completion."""
+    seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
+    return [x[len(p) - 1 :] for p, x in zip(prompts, full_forward(model, seqs), strict=True)]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -51,14 +92,13 @@ def test_paged_greedy_decoding_equals_dense_decoding_and_the_full_forward(varian
     preset, eliminate = VARIANTS[variant]
     model = random_model(preset)
     assert model.spec.windows == (8, 8, 8, 64)  # windows of 8 and 64, past 8 here
-    config = EngineConfig(**{**TIGHT.__dict__, "eliminate_bank_v": eliminate})
-    engine = Engine(model, config)
+    engine = Engine(model, tight(eliminate_bank_v=eliminate))
     results = engine.generate(PROMPTS, GREEDY)
     assert engine.scheduler.preemptions > 0
     dense = decode.generate(model, PROMPTS, NEW, eliminate_bank_v=eliminate)
-    for prompt, result, want in zip(PROMPTS, results, dense, strict=True):
+    fulls = full_logits(model, PROMPTS, [r.token_ids for r in results])
+    for result, want, full in zip(results, dense, fulls, strict=True):
         assert result.token_ids == want and result.finish_reason == "length"
-        full = full_logits(model, prompt, result.token_ids)
         assert float(np.std(full)) > 0.1
         np.testing.assert_allclose(np.stack(result.logits), full[:NEW], rtol=1e-5, atol=2e-5)
         assert [int(row.argmax()) for row in result.logits] == result.token_ids
@@ -88,7 +128,7 @@ def test_sampled_completions_follow_the_seed_not_the_batch():
     and as the dense decoder's single row with that seed."""
     model = random_model("d12_bov")
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7, max_tokens=NEW)
-    alone = Engine(model, EngineConfig(page_size=4, max_seqs=1, chunk=8))
+    alone = Engine(model, tight(max_seqs=1, record_logits=False))
     [solo] = alone.generate([PROMPTS[2]], params)
     busy = Engine(model, TIGHT)
     others = SamplingParams(temperature=1.0, max_tokens=NEW, seed=1)
@@ -106,7 +146,7 @@ def test_a_long_running_engine_compiles_a_bounded_set_of_shapes():
     one per request, and no more shapes than the engine's bound; a repeated wave compiles
     nothing."""
     model = random_model("d12_bov")
-    engine = Engine(model, EngineConfig(page_size=4, max_seqs=4, chunk=8))
+    engine = Engine(model, tight(max_seqs=4, record_logits=False))  # 3 rows pad to 4
     rng = np.random.default_rng(1)
     waves = [
         [rng.integers(1, 200, size=n).tolist() for n in rng.integers(1, 40, 12)] for _ in range(3)
@@ -122,8 +162,7 @@ def test_a_long_running_engine_compiles_a_bounded_set_of_shapes():
 
 
 def test_window_pages_are_released_while_a_long_sequence_decodes():
-    model = random_model("d12")
-    engine = Engine(model, EngineConfig(page_size=4, max_seqs=1, chunk=8))
+    engine = Engine(random_model("d12"), tight(max_seqs=1, record_logits=False))
     engine.add("long", PROMPTS[6], SamplingParams(temperature=0, max_tokens=20))
     held = []
     while engine.has_work():
@@ -148,7 +187,7 @@ class CharTokenizer:
 
 def test_stop_strings_cut_the_text_and_end_the_request():
     model = random_model("d12_bov")
-    engine = Engine(model, EngineConfig(page_size=4, max_seqs=2, chunk=8), CharTokenizer())
+    engine = Engine(model, tight(max_seqs=2, record_logits=False), CharTokenizer())
     prompt = [0, *CharTokenizer().encode_one("abcdef")]
     [free] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW))
     assert len(free.text) >= 6 and free.finish_reason in ("length", "stop")
@@ -167,8 +206,7 @@ def test_text_that_may_begin_a_stop_string_is_held_back():
 
 
 def test_an_aborted_request_frees_its_pages():
-    model = random_model("d12")
-    engine = Engine(model, EngineConfig(page_size=4, max_seqs=2, chunk=8))
+    engine = Engine(random_model("d12"), tight(max_seqs=2, record_logits=False))
     engine.add("a", PROMPTS[1], SamplingParams(max_tokens=NEW))
     engine.step()
     engine.step()
@@ -181,7 +219,7 @@ def test_an_aborted_request_frees_its_pages():
 
 def test_a_request_aborted_while_it_waits_ends_without_failing_the_step():
     """A client that leaves before its request is admitted (it never held a page)."""
-    engine = Engine(random_model("d12", depth=2), EngineConfig(page_size=4, max_seqs=1, chunk=8))
+    engine = Engine(random_model("d12"), tight(max_seqs=1, record_logits=False))
     engine.add("running", PROMPTS[1], SamplingParams(max_tokens=4))
     engine.add("waiting", PROMPTS[0], SamplingParams(max_tokens=4))
     engine.step()
@@ -219,14 +257,14 @@ def test_too_few_pages_for_one_whole_sequence_is_refused():
         Engine(random_model("d12", depth=2), EngineConfig(page_size=4, pages=(3, 3)))
 
 
-def full_logprobs(model, prompt):
-    """log_softmax of the full forward's logits (n, V) over the prompt."""
-    return np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt]))[0], axis=-1))
+def full_logprobs(model, prompts):
+    """log_softmax of the full forward's logits (n, V) over each prompt."""
+    return [np.asarray(jax.nn.log_softmax(x, axis=-1)) for x in full_forward(model, prompts)]
 
 
-def assert_prompt_scores_equal_the_full_forward(model, prompt, scores, k):
-    """Each prompt token's logprob and top-k against the full forward (first entry None)."""
-    want = full_logprobs(model, prompt)
+def assert_prompt_scores_equal_the_full_forward(want, prompt, scores, k):
+    """Each prompt token's logprob and top-k against the full forward's log_softmax (n, V)
+    (first entry None)."""
     assert scores[0] is None and len(scores) == len(prompt)
     for j in range(1, len(prompt)):
         entry = scores[j]
@@ -243,7 +281,7 @@ def test_prompt_logprobs_equal_the_full_forward_across_chunks_and_preemptions(va
     unscored requests."""
     preset, eliminate = VARIANTS[variant]
     model = random_model(preset)
-    config = EngineConfig(**{**TIGHT.__dict__, "eliminate_bank_v": eliminate})
+    config = tight(eliminate_bank_v=eliminate)
     engine = Engine(model, config)
     new = [0, 1, 12, 0, 12, 1, 12]
     params = [SamplingParams(temperature=0, max_tokens=n, prompt_logprobs=3) for n in new]
@@ -252,15 +290,16 @@ def test_prompt_logprobs_equal_the_full_forward_across_chunks_and_preemptions(va
     plain = Engine(model, config).generate(
         PROMPTS, [SamplingParams(temperature=0, max_tokens=max(n, 1)) for n in new]
     )
-    for prompt, n, result, want in zip(PROMPTS, new, results, plain, strict=True):
-        assert_prompt_scores_equal_the_full_forward(model, prompt, result.prompt_logprobs, 3)
+    full = full_logprobs(model, PROMPTS)
+    for prompt, n, result, want, scores in zip(PROMPTS, new, results, plain, full, strict=True):
+        assert_prompt_scores_equal_the_full_forward(scores, prompt, result.prompt_logprobs, 3)
         assert result.token_ids == want.token_ids[:n] and result.finish_reason == "length"
     assert engine.allocator.used_pages(0) == engine.allocator.used_pages(1) == 0
 
 
 def test_a_sequence_preempted_while_its_prompt_is_scored_scores_each_token_once():
     model = random_model("d12_bov")
-    engine = Engine(model, EngineConfig(page_size=4, max_seqs=2, chunk=8))
+    engine = Engine(model, tight(max_seqs=2, record_logits=False))
     prompt = PROMPTS[6]  # 40 tokens: five chunks
     engine.add("scored", prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))
     engine.step()
@@ -274,7 +313,8 @@ def test_a_sequence_preempted_while_its_prompt_is_scored_scores_each_token_once(
     assert engine.scheduler.preemptions == 1
     first = outputs[0]
     assert all(o.prompt_logprobs is None for o in outputs[1:])
-    assert_prompt_scores_equal_the_full_forward(model, prompt, first.prompt_logprobs, 2)
+    [want] = full_logprobs(model, [prompt])
+    assert_prompt_scores_equal_the_full_forward(want, prompt, first.prompt_logprobs, 2)
 
 
 def test_prefix_sharing_computes_less_and_changes_nothing():
@@ -290,8 +330,7 @@ def test_prefix_sharing_computes_less_and_changes_nothing():
     params += [SamplingParams(temperature=1.0, seed=s, max_tokens=10) for s in range(3)]
     runs = {}
     for sharing in (False, True):
-        config = EngineConfig(**{**TIGHT.__dict__, "prefix_sharing": sharing})
-        engine = Engine(model, config)
+        engine = Engine(model, tight(prefix_sharing=sharing))
         runs[sharing] = engine.generate(prompts, params), engine
     (plain, unshared), (shared, engine) = runs[False], runs[True]
     assert unshared.scheduler.shared_tokens == 0 < engine.scheduler.shared_tokens
