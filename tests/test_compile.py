@@ -7,13 +7,12 @@ whole-batch logits buffer) are each shown to fire on a program that has the thin
 """
 
 import dataclasses
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from helpers import tiny_config
+from test_cli import run_forked  # `python -m` of commands, forked from one interpreter
 
 from bov_jax import sharding
 from bov_jax.accounting import param_counts, training_plan
@@ -103,35 +102,65 @@ def test_train_step_collectives_and_flops(report):
     assert flops["analytic_per_step"] > flops["analytic_matmul_per_step"]
 
 
-def test_one_micro_batch_costs_half_of_two():
-    """The same rows per device in one micro-batch and in two: per token, the same kernels and
-    dot FLOPs (a 1-trip scan made XLA TPU run part of the forward twice: at depth 4 of d12
-    BoV, 20 splash kernels for 12 and 1.56x the model's dot FLOPs)."""
-    reports = []
-    for micro_batches in (1, 2):
-        config = tiny_tpu_config()
-        config.mesh.update(data=4, fsdp=1, tensor=1)
-        config.train.total_batch_tokens = micro_batches * 4 * ROWS * SEQ
-        options = Options(target="v5e-4", steps=("train",))
-        reports.append(run(config, options, log=None)["steps"]["train"])
-    one, two = reports
+def test_one_micro_batch_costs_half_of_two(report):
+    """The same rows per device in one micro-batch and in two (the module's report): per
+    token, the same kernels and dot FLOPs (a 1-trip scan made XLA TPU run part of the forward
+    twice: at depth 4 of d12 BoV, 20 splash kernels for 12 and 1.56x the model's dot FLOPs)."""
+    config = tiny_tpu_config()
+    config.train.total_batch_tokens = 2 * ROWS * SEQ  # 1 micro-batch over the 2 fsdp devices
+    one = run(config, Options(target="v5e-4", steps=("train",)), log=None)
+    assert (one["micro_batches"], report["micro_batches"]) == (1, 2)
+    assert one["device_batch_size"] == report["device_batch_size"] == ROWS
+    one, two = one["steps"]["train"], report["steps"]["train"]
     assert one["kernels"]["splash"] == two["kernels"]["splash"] == 3 * LAYERS
-    model = [r["flops"]["xla_model_per_step"] for r in reports]
+    model = [r["flops"]["xla_model_per_step"] for r in (one, two)]
     assert 2 * model[0] == pytest.approx(model[1], rel=1e-3)
 
 
-def test_find_rows_prefers_fewer_rows_to_recomputation(monkeypatch):
+@pytest.fixture
+def compile_once(monkeypatch):
+    """Each program compiled once per test: every run of the report for one topology gets the
+    same devices (its description), and a program lowered again for them (the same StableHLO
+    text; the source locations, which name the call site, aside) reuses the executable of its
+    first compilation, as the compiler would make the same one again. For tests that compile
+    a target's steps more than once, where what they check is not the compilation itself."""
+    from bov_jax.compile import report as report_module
+
+    describe, devices = report_module.target_devices, {}
+
+    def same_devices(target):
+        key = (target.platform, target.topology, target.options)
+        if key not in devices:
+            devices[key] = describe(target)
+        return devices[key]
+
+    compile, compiled = jax.stages.Lowered.compile, {}
+
+    def once(self, *args, **kwargs):
+        if args or kwargs:
+            return compile(self, *args, **kwargs)
+        text = self.as_text()
+        if text not in compiled:
+            compiled[text] = compile(self)
+        return compiled[text]
+
+    monkeypatch.setattr(report_module, "target_devices", same_devices)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", once)
+    return compiled
+
+
+def test_find_rows_prefers_fewer_rows_to_recomputation(monkeypatch, compile_once):
     """On a chip whose memory holds the plain step at 1 row per micro-batch but not at 2,
     --find_rows with train.remat=auto picks 1 row without recomputation (the same FLOPs in
     more micro-batches) over 2 rows recomputed, and says what that saves: the recomputed
-    step at 2 rows does more model FLOPs. Rows of 1024 positions, for activations that the
+    step at 2 rows does more model FLOPs. Rows of 512 positions, for activations that the
     report's peaks (to 1e-4 GiB) tell apart."""
     from bov_jax.compile import report as report_module
     from bov_jax.compile.__main__ import held_back_line
 
     peaks = {}
     for rows in (1, 2):
-        config = tiny_tpu_config(seq_len=1024)
+        config = tiny_tpu_config(seq_len=512)
         config.train.remat = "none"
         options = Options(target="v5e-4", steps=("train",), device_batch_size=rows)
         peaks[rows] = run(config, options, log=None)["peak_memory_gib"]
@@ -141,7 +170,7 @@ def test_find_rows_prefers_fewer_rows_to_recomputation(monkeypatch):
     monkeypatch.setattr(
         report_module, "resolve_target", lambda *a: dataclasses.replace(real, hbm_bytes=between)
     )
-    config = tiny_tpu_config(seq_len=1024)
+    config = tiny_tpu_config(seq_len=512)
     config.train.remat = "auto"
     found = run(config, Options(target="v5e-4", steps=("train",), find_rows=True), log=None)
     assert found["find_rows"]["largest_fitting"] == found["device_batch_size"] == 1
@@ -241,7 +270,7 @@ def test_multi_host_slice_mesh_spans_every_chip():
     assert all(p.sharding.mesh.devices.size == 32 for p in params)
 
 
-def test_fsdp_over_a_3d_torus_reduce_scatters_in_stages(monkeypatch):
+def test_fsdp_over_a_3d_torus_reduce_scatters_in_stages(monkeypatch, compile_once):
     """v5p-16 (2x2x2): libtpu turns one reduce-scatter over all 8 chips into an all-reduce of
     the whole gradient; the step's two stages (over 2 chips, then the other 4) compile to
     reduce-scatters and move fewer bytes on the wire (at this tiny width libtpu still
@@ -249,9 +278,9 @@ def test_fsdp_over_a_3d_torus_reduce_scatters_in_stages(monkeypatch):
     from bov_jax.train import torus
 
     def train_step_collectives() -> dict:
-        config = tiny_tpu_config()
+        config = tiny_tpu_config(seq_len=64)  # the gradients' sizes do not depend on it
         config.mesh.update(data=1, fsdp=8, tensor=1)
-        config.train.total_batch_tokens = 2 * ROWS * 8 * SEQ
+        config.train.total_batch_tokens = 2 * ROWS * 8 * 64
         return run(config, Options(target="v5p-16", steps=("train",)), log=None)["collectives"]
 
     staged = train_step_collectives()
@@ -305,13 +334,11 @@ def test_bad_targets_are_named(name, gpus, message):
 
 
 def test_command_line_help_and_bad_target():
-    command = [sys.executable, "-m", "bov_jax.compile"]
-    assert subprocess.run([*command, "--help"], capture_output=True).returncode == 0
-    bad = subprocess.run(
-        [*command, "--config=configs/quickstart.py", "--target=v5q-8"],
-        capture_output=True,
-        text=True,
+    command = "bov_jax.compile"
+    helped, bad = run_forked(
+        [(command, ["--help"]), (command, ["--config=configs/quickstart.py", "--target=v5q-8"])]
     )
+    assert helped.returncode == 0, helped.stderr[-2000:]
     assert bad.returncode == 2
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: unknown --target=v5q-8; expected {targets.known_targets()}"]
