@@ -257,11 +257,13 @@ SWEEP = """
 import sys
 from pathlib import Path
 from bov_jax.sweep import jobs
+root, trainer, parallel = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 class StandIn(jobs.Job):
     def command(self, python=sys.executable):
-        return [python, "-c", sys.argv[2], str(self.workdir)]
-job = StandIn(jobs.Run("stand_in", "configs/quickstart.py"), 0, Path(sys.argv[1]), (), 1, 1, 1)
-print(len(jobs.run_local([job])), flush=True)
+        return [python, "-c", trainer, str(self.workdir)]
+run = jobs.Run("stand_in", "configs/quickstart.py")
+stand_ins = [StandIn(run, k, root / f"seed{k}", (), 1, 1, 1) for k in range(parallel)]
+print(len(jobs.run_local(stand_ins, parallel=parallel)), flush=True)
 """
 
 
@@ -282,32 +284,86 @@ def wait_for(condition, timeout: float = 30) -> bool:
     return True
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-def test_stopping_the_sweep_leaves_no_trainer_behind(tmp_path, signum):
-    """SIGTERM: forwarded to the trainer, which checkpoints; the sweep waits for it. kill -9:
-    the trainer gets SIGTERM as its parent dies (it would run on as an orphan otherwise)."""
-    workdir = tmp_path / "stand_in" / "seed0"
+@pytest.mark.parametrize(
+    "signum, parallel", [(signal.SIGTERM, 1), (signal.SIGKILL, 1), (signal.SIGTERM, 2)]
+)
+def test_stopping_the_sweep_leaves_no_trainer_behind(tmp_path, signum, parallel):
+    """SIGTERM: forwarded to every running trainer, which checkpoints; the sweep waits for
+    them. kill -9: the trainer gets SIGTERM as its parent dies (it would run on as an orphan
+    otherwise)."""
+    workdirs = [tmp_path / f"seed{k}" for k in range(parallel)]
+    pid_files = [workdir / "pid" for workdir in workdirs]
     sweep = subprocess.Popen(
-        [sys.executable, "-c", SWEEP, str(workdir), TRAINER],
+        [sys.executable, "-c", SWEEP, str(tmp_path), TRAINER, str(parallel)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE,
         text=True,
     )
-    pid = None
+    pids = []
     try:
-        assert wait_for(lambda: (workdir / "pid").is_file() and (workdir / "pid").read_text())
-        pid = int((workdir / "pid").read_text())
+        assert wait_for(lambda: all(f.is_file() and f.read_text() for f in pid_files))
+        pids = [int(f.read_text()) for f in pid_files]
         sweep.send_signal(signum)
         output = sweep.communicate(timeout=30)[0]
-        assert wait_for(lambda: not alive(pid), timeout=10), "the trainer outlived the sweep"
-        assert (workdir / "stopped").read_text() == "SIGTERM"
+        gone = wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10)
+        assert gone, "a trainer outlived the sweep"
+        assert all((w / "stopped").read_text() == "SIGTERM" for w in workdirs)
         if signum == signal.SIGTERM:
-            assert "stopped by SIGTERM" in output and output.splitlines()[-1] == "1"
+            assert output.count("stopped by SIGTERM") == parallel
+            assert output.splitlines()[-1] == str(parallel)
     finally:
         sweep.kill()
-        if pid is not None and alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# Stands in for bov_jax.main in a parallel sweep: records its CPUs, waits (30 s at most) until
+# two stand-ins have started, then finishes its run, or fails when its seed is 2.
+CONCURRENT_TRAINER = """
+import json, os, sys, time
+from pathlib import Path
+workdir = Path(sys.argv[1])
+(workdir / "cpus").write_text(json.dumps(sorted(os.sched_getaffinity(0))))
+deadline = time.monotonic() + 30
+while len(list(workdir.parent.glob("*/cpus"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("started with", len(list(workdir.parent.glob("*/cpus"))), "stand-ins", flush=True)
+if workdir.name == "seed2":
+    sys.exit(3)
+(workdir / "status.json").write_text(json.dumps({"step": 1, "num_steps": 1}))
+"""
+
+
+class ConcurrentStandIn(sweeps.Job):
+    def command(self, python: str = sys.executable) -> list[str]:
+        return [python, "-c", CONCURRENT_TRAINER, str(self.workdir)]
+
+
+def test_parallel_jobs_run_at_once_on_their_own_cpus(tmp_path):
+    """--parallel=2: two jobs at once on disjoint halves of the CPUs, each logging to its
+    workdir's train.log; the third starts when one has ended; the failed one is returned."""
+    run = sweeps.Run("stand_in", "configs/quickstart.py")
+    jobs = [ConcurrentStandIn(run, k, tmp_path / f"seed{k}", (), 1, 1, 1) for k in range(3)]
+    lines = []
+    assert sweeps.run_local(jobs, log=lines.append, parallel=2) == [jobs[2]]
+    cpus = [set(json.loads((job.workdir / "cpus").read_text())) for job in jobs[:2]]
+    assert not cpus[0] & cpus[1] and cpus[0] | cpus[1] == os.sched_getaffinity(0)
+    for job in jobs:
+        assert "started with" in (job.workdir / "train.log").read_text()
+    assert [job.finished() for job in jobs] == [True, True, False]
+    assert any("seed 2: exited with status 3" in line and "train.log" in line for line in lines)
+    assert sum(line.endswith(": finished") for line in lines) == 2
+
+
+def test_cpu_slots_deal_the_cpus_into_contiguous_groups(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert sweeps.cpu_slots(2) == [{0, 1, 2}, {3, 4}]
+    assert sweeps.cpu_slots(5) == [{0}, {1}, {2}, {3}, {4}]
+    for bad in (0, 6):
+        with pytest.raises(UserError, match=f"--parallel={bad}: expected 1 to 5"):
+            sweeps.cpu_slots(bad)
 
 
 def test_sweep_does_not_start_a_job_on_a_held_workdir(tmp_path):
@@ -326,7 +382,7 @@ def test_a_sweep_with_unfinished_jobs_exits_1(tmp_path, monkeypatch, command_fla
     sweep ends with status 1, as docs/reliability.md says (it was 2, a bad-input status)."""
     from bov_jax.sweep import __main__ as sweep_command
 
-    monkeypatch.setattr(sweeps, "run_local", lambda jobs: list(jobs))
+    monkeypatch.setattr(sweeps, "run_local", lambda jobs, parallel: list(jobs))
     sweep_file = REPO / "configs/sweeps/table1_cpu.py"
     command_flags(
         sweep_command.define_flags, f"--sweep={sweep_file}", f"--root={tmp_path}", "--only=d12"

@@ -1,9 +1,10 @@
 """python -m bov_jax.sweep --sweep=configs/sweeps/<name>.py --root=DIR [options]
 
 Expands a sweep file into runs x seeds (workdirs DIR/<run>/seed<k>/) and hands them to an
-engine: --launcher=local (one after another here; rerunning skips finished runs and resumes
-interrupted ones), slurm (writes DIR/slurm_array.sbatch) or tpu (writes DIR/tpu_commands.sh).
---dry-run prints every run's horizon and FLOPs and launches nothing. Then
+engine: --launcher=local (here, one after another or --parallel=N at a time; rerunning skips
+finished runs and resumes interrupted ones), slurm (writes DIR/slurm_array.sbatch) or tpu
+(writes DIR/tpu_commands.sh). --dry-run prints every run's horizon and FLOPs and launches
+nothing. Then
 `python -m bov_jax.report --root=DIR` writes the tables and figures.
 
 Exit status: 0 when every job finished, 1 when some did not (stopped by a SIGTERM / SIGINT to
@@ -50,6 +51,12 @@ def define_flags() -> None:
         "--sbatch=--partition=P --sbatch=--gpus-per-node=4 (repeatable; replaces the default "
         "of the same name).",
     )
+    flags.DEFINE_integer(
+        "parallel",
+        1,
+        "local launcher: jobs at once, each pinned to its share of this machine's CPUs, its "
+        "output in <workdir>/train.log (on 2 cores, 2 small jobs finish in about the time of 1).",
+    )
     flags.DEFINE_bool("dry_run", False, "Print the jobs, their horizons and FLOPs; run nothing.")
     flags.DEFINE_alias("dry-run", "dry_run")
     flags.mark_flags_as_required(["sweep", "root"])
@@ -58,6 +65,8 @@ def define_flags() -> None:
 def main(argv: list[str]) -> None:
     if FLAGS.sbatch and FLAGS.launcher != "slurm":
         raise UserError("--sbatch applies to --launcher=slurm only")
+    if FLAGS.parallel != 1 and FLAGS.launcher != "local":
+        raise UserError("--parallel applies to --launcher=local only")
     logging.getLogger("jax").setLevel(logging.WARNING)  # no backend-probing chatter
     sweep = sweeps.load_sweep(FLAGS.sweep)
     root = Path(FLAGS.root).resolve()
@@ -81,7 +90,7 @@ def main(argv: list[str]) -> None:
         sweeps.write_executable(path, sweeps.tpu_commands(sweep, jobs, invocation))
         print(f"wrote {path}: run it from the repository root (its jobs run one after another)")
     else:
-        failed = sweeps.run_local(jobs)
+        failed = sweeps.run_local(jobs, parallel=FLAGS.parallel)
         if failed:
             names = ", ".join(f"{job.run.name}/seed{job.seed}" for job in failed)
             raise UnfinishedJobs(f"{len(failed)} of {len(jobs)} jobs did not finish: {names}")

@@ -7,10 +7,11 @@ table layout. Expanding it gives one `Job` per (run, seed): the workdir ROOT/<ru
 the exact `python -m bov_jax.main` command line, with `--config.seed=k` so that the seed
 changes the model init and the data order. The engines only receive those command lines:
 
-  local   runs them one after another on this machine (a finished run is skipped, an
-          interrupted one resumes from its checkpoint, a failed one does not stop the rest,
-          one whose workdir another run holds is not started); the trainer gets the sweep's
-          SIGTERM / SIGINT and dies with it (kill -9 included), checkpointing first;
+  local   runs them on this machine, one after another or --parallel=N at a time, each
+          pinned to its share of the CPUs (a finished run is skipped, an interrupted one
+          resumes from its checkpoint, a failed one does not stop the rest, one whose
+          workdir another run holds is not started); the trainers get the sweep's SIGTERM /
+          SIGINT and die with it (kill -9 included), checkpointing first;
   slurm   writes ROOT/slurm_array.sbatch, one array task per job, each task running
           launch/slurm.sbatch of the checkout it is submitted from (requeue until finished, as
           for a single run);
@@ -22,6 +23,7 @@ by every invocation so far, each workdir's horizon and overrides, and the title 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -30,6 +32,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -330,62 +333,112 @@ def die_with(parent: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_child(command: list[str]) -> tuple[int, str | None]:
-    """Run one job to its end: (exit status, the signal that stopped the sweep, if any).
+def cpu_slots(parallel: int) -> list[set[int]]:
+    """This process's CPUs dealt into `parallel` contiguous groups, one per concurrent job."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 1 <= parallel <= len(cpus):
+        raise UserError(
+            f"--parallel={parallel}: expected 1 to {len(cpus)}, the CPUs this process may use"
+        )
+    share, extra = divmod(len(cpus), parallel)
+    bounds = [i * share + min(i, extra) for i in range(parallel + 1)]
+    return [set(cpus[a:b]) for a, b in zip(bounds, bounds[1:])]
 
-    The child runs in its own process group, so a terminal's Ctrl-C reaches it once, through
-    the sweep: SIGTERM / SIGINT to the sweep are forwarded to it, and the sweep waits for it
-    to checkpoint and exit.
-    """
+
+def start_child(command: list[str], cpus: set[int] | None, log_path: Path | None):
+    """Start one job in its own process group (a terminal's Ctrl-C reaches it once, through the
+    sweep), pinned to `cpus` when given, its output appended to `log_path` when given."""
     parent = os.getpid()
-    child = subprocess.Popen(
-        command, cwd=REPO, process_group=0, preexec_fn=lambda: die_with(parent)
-    )
+
+    def prepare() -> None:
+        die_with(parent)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    with open(log_path, "ab") if log_path else contextlib.nullcontext() as output:
+        return subprocess.Popen(
+            command,
+            cwd=REPO,
+            process_group=0,
+            preexec_fn=prepare,
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+        )
+
+
+def run_local(jobs: Sequence[Job], log=print, parallel: int = 1) -> list[Job]:
+    """Run each unfinished job to its end, `parallel` at a time; returns the failed ones.
+
+    With parallel > 1 each running job is pinned to its own share of this process's CPUs
+    (small models train faster two at a time on one core each than one at a time on two) and
+    writes its output to <workdir>/train.log. A job whose workdir another run holds (an
+    earlier sweep's trainer still running) is not started. A SIGTERM / SIGINT to the sweep is
+    forwarded to every running job; the sweep waits for them to checkpoint, starts no more
+    and returns them with the jobs it did not start.
+    """
+    slots = cpu_slots(parallel) if parallel > 1 else [None]
+    running: dict[subprocess.Popen, tuple[int, str, Job, set[int] | None]] = {}
     received: list[str] = []
+    failed: list[tuple[int, Job]] = []
 
     def forward(signum: int, frame: object) -> None:
         received.append(signal.Signals(signum).name)
-        child.send_signal(signum)
+        for child in running:
+            child.send_signal(signum)
+
+    def reap() -> None:
+        """Wait for a running job to end; collect every one that has, freeing its CPUs."""
+        while not (ended := [child for child in running if child.poll() is not None]):
+            time.sleep(0.1)
+        for child in ended:
+            i, label, job, cpus = running.pop(child)
+            slots.append(cpus)
+            status = child.returncode
+            if received:
+                log(
+                    f"{label}: stopped by {received[0]} (status {status}); "
+                    "rerun the sweep to resume it"
+                )
+                failed.append((i, job))
+            elif status != 0 or not job.finished():
+                where = job.workdir / "train.log" if cpus else "above"
+                log(
+                    f"{label}: exited with status {status} before its horizon (log {where}); "
+                    "rerun the sweep to resume it"
+                )
+                failed.append((i, job))
+            elif cpus:
+                log(f"{label}: finished")
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return child.wait(), (received[0] if received else None)
+        for i, job in enumerate(jobs):
+            label = f"[{i + 1}/{len(jobs)}] {job.run.name} seed {job.seed}"
+            while not slots and not received:
+                reap()
+            if received:
+                failed.extend((k, jobs[k]) for k in range(i, len(jobs)))
+                break
+            if job.finished():
+                log(f"{label}: finished, skipped")
+                continue
+            busy = workdir_lock.holder(job.workdir)
+            if busy:
+                log(f"{label}: {job.workdir} is in use by another run ({busy}); not started")
+                failed.append((i, job))
+                continue
+            job.workdir.mkdir(parents=True, exist_ok=True)
+            cpus = slots.pop()
+            log_path = job.workdir / "train.log" if cpus else None
+            where = f" (CPUs {sorted(cpus)}, log {log_path})" if cpus else ""
+            log(f"{label}: {shlex.join(job.command())}{where}")
+            running[start_child(job.command(), cpus, log_path)] = (i, label, job, cpus)
+        while running:
+            reap()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def run_local(jobs: Sequence[Job], log=print) -> list[Job]:
-    """Run each unfinished job to its end, one after another; returns the failed ones.
-
-    A job whose workdir another run holds (an earlier sweep's trainer still running) is not
-    started. A SIGTERM / SIGINT stops the sweep after the running job has checkpointed.
-    """
-    failed = []
-    for i, job in enumerate(jobs):
-        label = f"[{i + 1}/{len(jobs)}] {job.run.name} seed {job.seed}"
-        if job.finished():
-            log(f"{label}: finished, skipped")
-            continue
-        busy = workdir_lock.holder(job.workdir)
-        if busy:
-            log(f"{label}: {job.workdir} is in use by another run ({busy}); not started")
-            failed.append(job)
-            continue
-        log(f"{label}: {shlex.join(job.command())}")
-        job.workdir.mkdir(parents=True, exist_ok=True)
-        code, stopped_by = run_child(job.command())
-        if stopped_by:
-            log(f"{label}: stopped by {stopped_by} (status {code}); rerun the sweep to resume it")
-            failed.extend(jobs[i:])
-            break
-        if code != 0 or not job.finished():
-            log(
-                f"{label}: exited with status {code} before its horizon (log above); "
-                "rerun the sweep to resume it"
-            )
-            failed.append(job)
-    return failed
+    return [job for _, job in sorted(failed, key=lambda item: item[0])]
 
 
 SLURM_HEADER = """#!/usr/bin/env bash
