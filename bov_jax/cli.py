@@ -75,6 +75,15 @@ def log_plainly(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(message)s")
 
 
+def quiet_libraries() -> None:
+    """The project's log lines at INFO, every library's (orbax, absl, jax, uvicorn) from
+    WARNING only, and TensorFlow's C++ log (tensorflow-datasets imports it) off."""
+    log_plainly()
+    logging.root.setLevel(logging.WARNING)
+    logging.getLogger("bov_jax").setLevel(logging.INFO)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
 def check_positional(argv: list[str], commands: Sequence[str]) -> None:
     """A command with subcommands takes exactly one positional word, one of `commands`; a
     command without any takes none."""

@@ -39,6 +39,7 @@ def define_flags() -> None:
 def main(argv: list[str]) -> None:
     f = flags.FLAGS
     probe = argv[1]
+    cli.quiet_libraries()  # no Orbax INFO line per restored checkpoint
     if probe == "mqar_sweep":
         from bov_jax.probes.mqar_sweep import report
 

@@ -98,8 +98,9 @@ def figure(cells: dict[Cell, dict[int, float]], chance: float, path: Path) -> Pa
         ax.set_title(f"{pairs} key-value pairs")
         ax.set_xlabel("model width")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="center right")
     axes[0][0].set_ylabel("held-out MQAR accuracy")
+    handles, labels = axes[0][-1].get_legend_handles_labels()  # the n of the last panel
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(labels))
     fig.suptitle(
         "MQAR by value path (depth 3, seq 256): mean ± std over seeds, dots: each seed", fontsize=9
     )

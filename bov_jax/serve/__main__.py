@@ -78,15 +78,6 @@ def define_flags() -> None:
     )
 
 
-def quiet_libraries() -> None:
-    """The project's log lines at INFO, every library's (orbax, absl, jax, uvicorn) from
-    WARNING only, and TensorFlow's C++ log (tensorflow-datasets imports it) off."""
-    cli.log_plainly()
-    logging.root.setLevel(logging.WARNING)
-    logging.getLogger("bov_jax").setLevel(logging.INFO)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-
 def is_local(host: str) -> bool:
     if host == "localhost":
         return True
@@ -242,7 +233,7 @@ def start(argv: list[str]) -> None:
 
     del argv
     f = flags.FLAGS
-    quiet_libraries()
+    cli.quiet_libraries()
     for name in ("max_seqs", "page_size", "chunk"):
         if f[name].value < 1:
             raise UserError(f"--{name}={f[name].value}; expected a positive integer")

@@ -1,9 +1,10 @@
 """Recall at CPU scale: MQAR for the baseline, BoV, x0-learned and V1-learned value paths x
 width x number of pairs (configs/mqar.py: depth 3, so the "last third" is layer 2; rows of 256
-tokens; every run the same steps). Each job is scored on the held-out split afterwards:
+tokens; every run the same steps). Each job is scored on the held-out split afterwards. On
+2 cores, two jobs at once (one core each) finish the 108 jobs in about half the time:
 
-  JAX_COMPILATION_CACHE_DIR=runs/jax_cache nice -n 10 \
-      python -m bov_jax.sweep --sweep=configs/sweeps/recall_cpu.py --root=runs/recall_cpu
+  JAX_COMPILATION_CACHE_DIR=runs/jax_cache python -m bov_jax.sweep \
+      --sweep=configs/sweeps/recall_cpu.py --root=runs/recall_cpu --parallel=2
   python -m bov_jax.probes mqar_sweep --root=runs/recall_cpu --out=docs/results/recall_cpu
 
 Run names are <path>_d<width>_n<pairs>; the baseline of each (width, pairs) cell is its d12 run.
