@@ -10,6 +10,19 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+@pytest.fixture(scope="module")
+def fast_xla() -> Iterator[None]:
+    """XLA's cheap compilation (same semantics, slower programs) for a module of many compiled
+    programs each run once or twice (`pytestmark = pytest.mark.usefixtures("fast_xla")`),
+    restored for the other modules."""
+    import jax  # after the environment above
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture
 def command_flags() -> Iterator[Callable[..., None]]:
     """parse(define_flags, *args): a command's flags defined on absl's FLAGS and parsed from

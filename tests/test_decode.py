@@ -56,14 +56,7 @@ def full_forward(model, ids):
     return _forward(*nnx.split(model), ids)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_xla():
-    """FAST_COMPILE for the programs compiled outside this module's jits too (the decoder's
-    prefill and loop), restored for the other modules."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
 
 
 def random_model(preset: str, seed: int = 3, depth: int = 4, **overrides):

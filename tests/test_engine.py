@@ -47,14 +47,7 @@ def tight(**changes) -> EngineConfig:
     return EngineConfig(**{**TIGHT.__dict__, **changes})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_xla():
-    """XLA's cheap compilation (same semantics, slower programs) for this module's many
-    small programs, as test_decode's FAST_COMPILE; restored for the other modules."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
 
 
 @functools.cache

@@ -38,14 +38,7 @@ ROWS, ACCUM, SEQ = 16, 2, 32  # rows per step over all devices, micro-batches, s
 MUON_NOISE = 0.15
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_xla():
-    """XLA's cheap compilation (same semantics, slower programs: these steps run twice) for
-    this module's many compiled steps; restored for the other modules."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
 
 
 def setup(preset: str, mesh_shape: tuple[int, int, int], accum: int = ACCUM):

@@ -4,8 +4,7 @@ Expands a sweep file into runs x seeds (workdirs DIR/<run>/seed<k>/) and hands t
 engine: --launcher=local (here, one after another or --parallel=N at a time; rerunning skips
 finished runs and resumes interrupted ones), slurm (writes DIR/slurm_array.sbatch) or tpu
 (writes DIR/tpu_commands.sh). --dry-run prints every run's horizon and FLOPs and launches
-nothing. Then
-`python -m bov_jax.report --root=DIR` writes the tables and figures.
+nothing. Then `python -m bov_jax.report --root=DIR` writes the tables and figures.
 
 Exit status: 0 when every job finished, 1 when some did not (stopped by a SIGTERM / SIGINT to
 the sweep, or failed; rerunning resumes them), 2 for a bad flag or sweep file.

@@ -377,7 +377,7 @@ def run_local(jobs: Sequence[Job], log=print, parallel: int = 1) -> list[Job]:
     and returns them with the jobs it did not start.
     """
     slots = cpu_slots(parallel) if parallel > 1 else [None]
-    running: dict[subprocess.Popen, tuple[int, str, Job, set[int] | None]] = {}
+    running: dict[subprocess.Popen, tuple[int, str, Job, set[int] | None, Path | None]] = {}
     received: list[str] = []
     failed: list[tuple[int, Job]] = []
 
@@ -391,7 +391,7 @@ def run_local(jobs: Sequence[Job], log=print, parallel: int = 1) -> list[Job]:
         while not (ended := [child for child in running if child.poll() is not None]):
             time.sleep(0.1)
         for child in ended:
-            i, label, job, cpus = running.pop(child)
+            i, label, job, cpus, log_path = running.pop(child)
             slots.append(cpus)
             status = child.returncode
             if received:
@@ -401,13 +401,13 @@ def run_local(jobs: Sequence[Job], log=print, parallel: int = 1) -> list[Job]:
                 )
                 failed.append((i, job))
             elif status != 0 or not job.finished():
-                where = job.workdir / "train.log" if cpus else "above"
                 log(
-                    f"{label}: exited with status {status} before its horizon (log {where}); "
+                    f"{label}: exited with status {status} before its horizon "
+                    f"(log {log_path or 'above'}); "
                     "rerun the sweep to resume it"
                 )
                 failed.append((i, job))
-            elif cpus:
+            elif log_path:
                 log(f"{label}: finished")
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -432,7 +432,7 @@ def run_local(jobs: Sequence[Job], log=print, parallel: int = 1) -> list[Job]:
             log_path = job.workdir / "train.log" if cpus else None
             where = f" (CPUs {sorted(cpus)}, log {log_path})" if cpus else ""
             log(f"{label}: {shlex.join(job.command())}{where}")
-            running[start_child(job.command(), cpus, log_path)] = (i, label, job, cpus)
+            running[start_child(job.command(), cpus, log_path)] = (i, label, job, cpus, log_path)
         while running:
             reap()
     finally:
