@@ -1,7 +1,10 @@
-"""JAX's Pallas paged-attention kernels in the engine's decoding step: the GPU kernel
-(interpret mode) against the XLA gathers, and which layers each platform lowers to a kernel."""
+"""The engine's paged decoding kernels: the GPU kernel (Pallas Triton, interpret mode here)
+against attention over the gathered pages and through whole engine runs against the full
+forward, which layers each platform lowers to a kernel, and the bytes the kernel is counted
+for."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,33 +13,104 @@ import pytest
 from flax import nnx
 from helpers import tiny_model
 from jax import export
+from test_engine import GREEDY, NEW, PROMPTS, VARIANTS, full_logits, random_model, tight
 
-from bov_jax.inference import paged, paged_kernels
+from bov_jax.compile import hlo
+from bov_jax.inference import decode, paged, paged_kernels, step_traffic
+from bov_jax.inference.engine import Engine
 from bov_jax.inference.layout import CacheLayout
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TPU_CALL = "tpu_custom_call"
+HEADS, POOL_PAGES, ROWS, WIDTH, BANK_ROWS = 2, 40, 3, 10, 50
+
+pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
 
 
-def test_the_gpu_kernel_equals_attention_over_the_gathered_pages():
-    keys = jax.random.split(jax.random.key(0), 3)
-    heads, pages, size, head_dim, rows, span = 2, 30, 4, 32, 3, 8
-    k_pages = jax.random.normal(keys[0], (heads, pages, size, head_dim))
-    v_pages = jax.random.normal(keys[1], (heads, pages, size, head_dim))
-    q = jax.random.normal(keys[2], (rows, heads, head_dim))
-    order = np.random.default_rng(0).permutation(np.arange(1, pages))[: rows * span]
-    tables = jnp.asarray(order.reshape(rows, span), jnp.int32)
-    lengths = jnp.array([5, 17, 32], jnp.int32)
-    got = paged_kernels.gpu_attention(
-        q / np.sqrt(head_dim), k_pages, v_pages, tables, lengths, interpret=True
-    )
-    k = k_pages[:, tables].reshape(heads, rows, span * size, head_dim)
-    v = v_pages[:, tables].reshape(heads, rows, span * size, head_dim)
-    logits = jnp.einsum("bhd,hbsd->bhs", q, k) / np.sqrt(head_dim)
-    seen = jnp.arange(span * size)[None, None] < lengths[:, None, None]
-    want = jnp.einsum("bhs,hbsd->bhd", jax.nn.softmax(jnp.where(seen, logits, -jnp.inf)), v)
-    assert float(jnp.std(want)) > 0.1
+def kernel_inputs(page_size: int, head_dim: int, dtype, seed: int = 0):
+    """Random pools (K, V, ids) of POOL_PAGES pages, a bank table, queries (ROWS, H, hd) and
+    two unrelated block tables (ROWS, WIDTH) of distinct pages (page 0, the null page, unused)."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    shape = (HEADS, POOL_PAGES, page_size, head_dim)
+    k_pages = jax.random.normal(keys[0], shape).astype(dtype)
+    v_pages = jax.random.normal(keys[1], shape).astype(dtype)
+    ids = jax.random.randint(keys[2], (POOL_PAGES, page_size), 0, BANK_ROWS)
+    bank = jax.random.normal(keys[3], (BANK_ROWS, HEADS * head_dim)).astype(dtype)
+    q = jax.random.normal(keys[4], (ROWS, HEADS, head_dim))
+    rng = np.random.default_rng(seed)
+    tables = [rng.permutation(np.arange(1, POOL_PAGES))[: ROWS * WIDTH] for _ in range(2)]
+    k_tables, v_tables = (jnp.asarray(t.reshape(ROWS, WIDTH), jnp.int32) for t in tables)
+    return q, k_pages, v_pages, ids, bank, k_tables, v_tables
+
+
+def attention_over_gathered_pages(q, keys, values, positions, window):
+    """Softmax attention of q (B, H, hd) over keys and values (H, B, S, hd) gathered from
+    position 0, each row's query at positions[b] seeing positions[b] - window .. positions[b]."""
+    slots = jnp.arange(keys.shape[2])[None, None]
+    reach = positions[:, None, None]
+    seen = (slots <= reach) & (slots >= reach - window)
+    logits = jnp.einsum("bhd,hbsd->bhs", q, keys.astype(jnp.float32)) / np.sqrt(q.shape[-1])
+    weights = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhs,hbsd->bhd", weights, values.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("page_size", [4, 8])
+@pytest.mark.parametrize("window", [2, 13, 1000])  # within a page, across pages, every position
+@pytest.mark.parametrize("bank", [False, True])
+def test_the_gpu_kernel_equals_attention_over_the_gathered_pages(page_size, window, bank):
+    q, k_pages, v_pages, ids, table, k_tables, v_tables = kernel_inputs(page_size, 16, jnp.float32)
+    positions = jnp.array([0, 3 * page_size + 1, WIDTH * page_size - 1], jnp.int32)
+    reads = paged_kernels.PagedReads(
+        k_pages, ids if bank else v_pages, k_tables, v_tables, positions, window,
+        table if bank else None,
+    )  # fmt: skip
+    got = paged_kernels.gpu_attention(q / np.sqrt(16), reads, interpret=True)
+    slots = ROWS, WIDTH * page_size
+    keys = k_pages[:, k_tables].reshape(HEADS, *slots, 16)
+    if bank:
+        rows = table[ids[v_tables].reshape(slots)].reshape(*slots, HEADS, 16)
+        values = jnp.moveaxis(rows, 2, 0)
+    else:
+        values = v_pages[:, v_tables].reshape(HEADS, *slots, 16)
+    want = attention_over_gathered_pages(q, keys, values, positions, window)
+    assert got.shape == (ROWS, HEADS, 16) and got.dtype == jnp.float32
+    assert float(jnp.std(want[1:])) > 0.1
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_kernel_reads_pages_in_their_dtype_and_sums_in_fp32():
+    q, k_pages, v_pages, ids, table, k_tables, v_tables = kernel_inputs(8, 16, jnp.bfloat16)
+    positions = jnp.array([5, 40, 79], jnp.int32)
+    reads = paged_kernels.PagedReads(k_pages, ids, k_tables, v_tables, positions, 20, table)
+    got = paged_kernels.gpu_attention(q / np.sqrt(16), reads, interpret=True)
+    wide = reads._replace(k_pages=k_pages.astype(jnp.float32), bank=table.astype(jnp.float32))
+    want = paged_kernels.gpu_attention(q / np.sqrt(16), wide, interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # bf16 values are exact in fp32
+
+
+def through_the_interpreted_kernel(q, reads, coef, xla, *, tpu_span):
+    """`paged_kernels.decode_attention` as lowered for a GPU, the kernel interpreted."""
+    run = functools.partial(paged_kernels.gpu_attention, reads=reads, interpret=True)
+    return paged_kernels.through_kernel(run, q, coef)
+
+
+def test_engine_decoding_through_the_gpu_kernel_equals_the_full_forward(monkeypatch):
+    """BoV without a V cache, every decoding step's attention in the kernel (own layers of
+    window 8, cutting here, bank layers of windows 8 and 64, the id pages in another group
+    than the keys; preemption and recomputation): greedy tokens equal to the dense
+    decoder's, logits to the full forward's. (Separate tables for K and V pages are in the
+    kernel test above; the dense decoder holds every variant to the same forward.)"""
+    monkeypatch.setattr(paged_kernels, "decode_attention", through_the_interpreted_kernel)
+    preset, eliminate = VARIANTS["BoV without a V cache"]
+    model = random_model(preset)
+    engine = Engine(model, tight(eliminate_bank_v=eliminate))
+    results = engine.generate(PROMPTS, GREEDY)
+    assert engine.scheduler.preemptions > 0
+    dense = decode.generate(model, PROMPTS, NEW, eliminate_bank_v=eliminate)
+    fulls = full_logits(model, PROMPTS, [r.token_ids for r in results])
+    for result, want, full in zip(results, dense, fulls, strict=True):
+        assert result.token_ids == want
+        np.testing.assert_allclose(np.stack(result.logits), full[:NEW], rtol=1e-5, atol=2e-5)
 
 
 def lowered_decode_step(preset: str, platform: str) -> str:
@@ -64,27 +138,19 @@ def lowered_decode_step(preset: str, platform: str) -> str:
     return exported(state, paged.abstract_pools(layout, (12, 12)), inputs).mlir_module()
 
 
-def test_only_decoding_own_layers_whose_window_reaches_every_position_take_the_kernel():
-    layout = CacheLayout.build(tiny_model("d12", depth=4).spec, 16)
-    assert [r.window for r in layout.layers] == [8, 8, 8, 64]
-    assert [paged_kernels.eligible(r, layout, 1, 4) for r in layout.layers] == [
-        False,
-        False,
-        False,
-        True,
-    ]
-    assert not paged_kernels.eligible(layout.layers[3], layout, 1, 5)  # 80 positions: cut
-    assert not paged_kernels.eligible(layout.layers[3], layout, 8, 4)  # a prefill chunk
-    bov = CacheLayout.build(tiny_model("d12_bov", depth=4).spec, 16)
-    assert not paged_kernels.eligible(bov.layers[3], bov, 1, 4)  # no V pages
+def test_on_tpus_only_one_table_layers_whose_window_reaches_every_position_take_the_kernel():
+    assert paged_kernels.tpu_eligible(64, True, False, page_size=16, width=4)  # 64 positions
+    assert not paged_kernels.tpu_eligible(64, True, False, page_size=16, width=5)  # 80: cut
+    assert not paged_kernels.tpu_eligible(64, False, False, page_size=16, width=4)  # v1
+    assert not paged_kernels.tpu_eligible(64, True, True, page_size=16, width=4)  # bank
 
 
 @pytest.mark.parametrize(
     ("preset", "platform", "triton", "mosaic"),
     [
-        ("d12", "cuda", 1, 0),  # layer 3 in the paged kernel
-        ("d12", "tpu", 0, 1),
-        ("d12_bov", "cuda", 2, 0),  # layers 2, 3 (bank) in bank_gather's kernel
+        ("d12", "cuda", 4, 0),  # every layer in the engine's kernel, windows cutting or not
+        ("d12", "tpu", 0, 1),  # layer 3 (window 64 of 64 positions) in JAX's kernel
+        ("d12_bov", "cuda", 4, 0),  # layers 2, 3 weigh bank rows in it
         ("d12_bov", "tpu", 0, 0),
         ("d12", "cpu", 0, 0),
     ],
@@ -92,6 +158,10 @@ def test_only_decoding_own_layers_whose_window_reaches_every_position_take_the_k
 def test_the_decoding_step_lowers_its_kernels_per_platform(preset, platform, triton, mosaic):
     text = lowered_decode_step(preset, platform)
     assert (text.count(TRITON_CALL), text.count(TPU_CALL)) == (triton, mosaic)
+    if platform == "cuda":  # no layer's pages or bank rows gathered in XLA ops
+        modes = ("pages", "pages", "bank", "bank") if preset == "d12_bov" else ("pages",) * 4
+        names = {f"{paged_kernels.KERNEL_NAME}_w{w}_{m}" for w, m in zip((8, 8, 8, 64), modes)}
+        assert set(re.findall(rf"{paged_kernels.KERNEL_NAME}_\w+", text)) == names
 
 
 def test_paged_kernels_can_be_switched_off(monkeypatch):
@@ -114,3 +184,41 @@ def test_spans_cover_every_page_a_window_reaches_and_no_page_more(page_size, col
             widest[window] = max(widest[window], touched)
     far = paged.spans_for(layout, 511 // page_size, columns, width)
     assert dict(far) == widest  # far from the start, the span is the most pages ever touched
+
+
+def test_the_kernels_bytes_are_the_pages_its_window_touches():
+    """`step_traffic` counts the GPU kernel of a compiled step by the pages its window (named
+    in the kernel) touches per row, not by its pools: 8 rows, 4 heads of 128, pages of 16,
+    tables of 128 logical pages; window 40 touches 4 pages (41 positions), 5000 every one."""
+    shapes = {
+        "q": "bf16[8,4,128]{2,1,0}",
+        "pos": "s32[8]{0}",
+        "kt": "s32[8,128]{1,0}",
+        "vt": "s32[8,128]{1,0}",
+        "k": "bf16[4,9000,16,128]{3,2,1,0}",
+        "v": "bf16[4,9000,16,128]{3,2,1,0}",
+        "ids": "s32[9000,16]{1,0}",
+        "bank": "bf16[32768,512]{1,0}",
+    }
+
+    def counted(window: int, values: str) -> float:
+        operands = ["q", "pos", "kt", "vt", "k", values] + (["bank"] if values == "ids" else [])
+        kind = "bank" if values == "ids" else "pages"
+        call = hlo.Instruction(
+            name="call",
+            shape="f32[8,4,128]{2,1,0}",
+            opcode="custom-call",
+            arguments=", ".join(f"%{o}" for o in operands),
+            attributes=f'custom_call_target="__gpu$xla.gpu.triton", backend_config='
+            f'{{"name":"{paged_kernels.KERNEL_NAME}_w{window}_{kind}"}}',
+        )
+        assert step_traffic.is_kernel(call)
+        return step_traffic.kernel_bytes(call, shapes)
+
+    small = 8 * 4 * 128 * 2 + 8 * 4 + 8 * 4 * 128 * 4  # queries, positions, output
+    slots = 8 * 4 * 16 * 4  # rows x pages x slots x heads
+    entries = 2 * 8 * 4 * 4 * 4  # a k and a v table entry per page and head program
+    assert counted(40, "v") == slots * 128 * 2 * 2 + entries + small
+    assert counted(40, "ids") == slots * (128 * 2 + 4 + 128 * 2) + entries + small
+    every = 8 * 128 * 16 * 4  # 128 pages a row: the table's width
+    assert counted(5000, "v") == every * 128 * 2 * 2 + 2 * 8 * 4 * 128 * 4 + small

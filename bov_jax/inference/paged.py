@@ -9,11 +9,13 @@ counts[b] - 1: a prompt chunk (C > 1) or one decoding token (C == 1); rows past 
 batch's sequences, and columns past a row's count, are padding. Each layer writes the new
 keys (and values, for an own layer; the ids once, for the bank layers) into the pages the
 block tables name, then reads the pages its window reaches: a static `span` of logical
-pages from the one holding start - window, gathered by the tables (XLA gathers; on GPUs and
-TPUs `paged_kernels` may run a layer's decoding attention in JAX's Pallas kernel instead).
-Off NVIDIA GPUs the gathers take the span `block_pages` pages at a time with an online
-softmax, so a step never holds more than one block of a layer's keys and values gathered
-(on GPUs the span is one block: a bank layer's rows go through `bank_gather`'s kernel).
+pages from the one holding start - window, gathered by the tables in XLA ops. A decoding
+step (C == 1) runs each layer's attention in `paged_kernels` instead where the platform has
+one: on NVIDIA GPUs every layer (windows and bank rows read where weighed), on TPUs the
+layers JAX's kernel is exact for. Off NVIDIA GPUs the gathers take the span `block_pages`
+pages at a time with an online softmax, so a step never holds more than one block of a
+layer's keys and values gathered (on GPUs, prefill chunks and BOV_PAGED_KERNEL=0 steps,
+the span is one block: a decoding bank layer's rows then go through `bank_gather`'s kernel).
 Padding writes go to the null page, and padding queries repeat their row's last position,
 so every query sees at least one key and nothing non-finite reaches a page.
 
@@ -217,18 +219,30 @@ def _attend(
         return (acc * scale).astype(q.dtype)
 
     def gathers(q: jax.Array) -> jax.Array:
-        # On NVIDIA GPUs the whole span at once: a bank layer's rows go through the bank
-        # kernel (read where weighed, never gathered out); elsewhere block by block.
+        # On NVIDIA GPUs the whole span at once (a decoding bank layer's rows, with the paged
+        # kernels switched off, through the bank kernel); elsewhere block by block.
         blocked = functools.partial(xla, blocks=-(-span // block_pages))
         return jax.lax.platform_dependent(q, cuda=functools.partial(xla, blocks=1), default=blocked)
 
-    width = inputs.tables[0].shape[1]
-    if not paged_kernels.eligible(reads, layout, columns, width):
+    if columns > 1 or not paged_kernels.enabled():
         return gathers(q)
-    table = inputs.tables[layout.pool(reads.keys).group][:, :span]  # the window starts at 0
-    lengths = (rows.positions[:, 0] + 1).astype(jnp.int32)
-    k_pages, v_pages = pools[reads.keys], pools[reads.values]
-    return paged_kernels.decode_attention(q, k_pages, v_pages, table, lengths, coef, gathers)
+    k_group, v_group = layout.pool(reads.keys).group, layout.pool(reads.values).group
+    width = inputs.tables[k_group].shape[1]
+    bank = attn.value.bank.embedding[...] if reads.mode == BANK else None
+    one_table = k_group == v_group
+    tpu = paged_kernels.tpu_eligible(window, one_table, bank is not None, size, width)
+    kernel_reads = paged_kernels.PagedReads(
+        k_pages=pools[reads.keys],
+        values=pools[reads.values],
+        k_tables=inputs.tables[k_group],
+        v_tables=inputs.tables[v_group],
+        positions=rows.positions[:, 0].astype(jnp.int32),
+        window=window,
+        bank=bank,
+    )
+    return paged_kernels.decode_attention(
+        q, kernel_reads, coef, gathers, tpu_span=span if tpu else None
+    )
 
 
 def hidden_paged(

@@ -3,17 +3,21 @@
 `hlo.memory_traffic` counts each op outside a fusion by its operands and result. A Pallas
 kernel is a custom call whose operands are whole arrays of which it reads a part: the
 paged-attention kernels read the pages their block tables name, not the pools; the bank
-kernel reads the table rows of the visible ids, not the table. Those are counted here by
-the parts they read; every other op as `hlo.op_traffic` counts it.
+kernel reads the table rows of the visible ids, not the table; the engine's GPU kernel
+(`paged_kernels.gpu_attention`, named with its window) reads the pages a window touches and,
+for a bank layer, the rows its id pages name. Those are counted here by the parts they read;
+every other op as `hlo.op_traffic` counts it.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import re
 from collections.abc import Iterator
 
 from bov_jax.compile import hlo
+from bov_jax.inference.paged_kernels import KERNEL_NAME
 
 KERNEL_CALLS = ("xla.gpu.triton", "tpu_custom_call")
 
@@ -45,8 +49,33 @@ def bank_kernel_bytes(shapes: list[str], result: str) -> float:
     return hlo.shape_bytes(weights) + ids + rows + hlo.shape_bytes(result)
 
 
+def window_kernel_bytes(window: int, shapes: list[str], result: str) -> float:
+    """The engine's GPU kernel: per row, the pages a window of `window` + 1 positions touches
+    (at most the table's width): their K pages and V pages, or their id pages (read by each
+    head's program) and one bank row of head width per slot and head; the queries, positions,
+    the tables' entries it reads and its output whole. Operands: q (B, H, hd), positions
+    (B,), k and v tables (B, W), K pages (H, N, P, hd), V pages or ids (N, P)[, the bank]."""
+    q, positions, k_tables, _, k_pages, values, *bank = shapes
+    _, (batch, width) = _dims(k_tables)
+    k_dtype, (heads, _, page, head_dim) = _dims(k_pages)
+    pages = min((window + page - 1) // page + 1, width)
+    slots = batch * pages * page * heads  # (row, slot, head) triples read
+    keys = slots * head_dim * hlo.DTYPE_BYTES[k_dtype]
+    if bank:
+        bank_dtype = _dims(bank[0])[0]
+        values_read = slots * (hlo.DTYPE_BYTES["s32"] + head_dim * hlo.DTYPE_BYTES[bank_dtype])
+    else:
+        values_read = slots * head_dim * hlo.DTYPE_BYTES[_dims(values)[0]]
+    entries = 2 * batch * heads * pages * hlo.DTYPE_BYTES["s32"]
+    small = hlo.shape_bytes(q) + hlo.shape_bytes(positions) + hlo.shape_bytes(result)
+    return keys + values_read + entries + small
+
+
 def kernel_bytes(instruction: hlo.Instruction, shapes: dict[str, str]) -> float:
     operands = [shapes.get(o, "") for o in instruction.operands]
+    named = re.search(rf"{KERNEL_NAME}_w(\d+)_", instruction.attributes)
+    if named:
+        return window_kernel_bytes(int(named.group(1)), operands, instruction.shape)
     if len(operands) == 4 and len(_dims(operands[0])[1]) == 3:  # weights (B, C, H) first
         return bank_kernel_bytes(operands, instruction.shape)
     return paged_kernel_bytes([s for s in operands if s], instruction.shape)
