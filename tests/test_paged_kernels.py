@@ -88,19 +88,32 @@ def test_the_gpu_kernel_reads_pages_in_their_dtype_and_sums_in_fp32():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # bf16 values are exact in fp32
 
 
-def through_the_interpreted_kernel(q, reads, coef, xla, *, tpu_span):
-    """`paged_kernels.decode_attention` as lowered for a GPU, the kernel interpreted."""
-    run = functools.partial(paged_kernels.gpu_attention, reads=reads, interpret=True)
-    return paged_kernels.through_kernel(run, q, coef)
+@pytest.fixture
+def through_the_interpreted_kernel(monkeypatch) -> list[int]:
+    """`paged_kernels.decode_attention` as lowered for a GPU, the kernel interpreted, for the
+    steps traced while the test runs (the step's compiled programs are dropped before and
+    after: one compiled by another test would not trace it); the windows it was traced for."""
+    traced = []
+
+    def decode_attention(q, reads, coef, xla, *, tpu_span):
+        traced.append(reads.window)
+        run = functools.partial(paged_kernels.gpu_attention, reads=reads, interpret=True)
+        return paged_kernels.through_kernel(run, q, coef)
+
+    monkeypatch.setattr(paged_kernels, "decode_attention", decode_attention)
+    paged.forward_step.clear_cache()
+    yield traced
+    paged.forward_step.clear_cache()
 
 
-def test_engine_decoding_through_the_gpu_kernel_equals_the_full_forward(monkeypatch):
+def test_engine_decoding_through_the_gpu_kernel_equals_the_full_forward(
+    through_the_interpreted_kernel,
+):
     """BoV without a V cache, every decoding step's attention in the kernel (own layers of
     window 8, cutting here, bank layers of windows 8 and 64, the id pages in another group
     than the keys; preemption and recomputation): greedy tokens equal to the dense
     decoder's, logits to the full forward's. (Separate tables for K and V pages are in the
     kernel test above; the dense decoder holds every variant to the same forward.)"""
-    monkeypatch.setattr(paged_kernels, "decode_attention", through_the_interpreted_kernel)
     preset, eliminate = VARIANTS["BoV without a V cache"]
     model = random_model(preset)
     engine = Engine(model, tight(eliminate_bank_v=eliminate))
@@ -111,6 +124,7 @@ def test_engine_decoding_through_the_gpu_kernel_equals_the_full_forward(monkeypa
     for result, want, full in zip(results, dense, fulls, strict=True):
         assert result.token_ids == want
         np.testing.assert_allclose(np.stack(result.logits), full[:NEW], rtol=1e-5, atol=2e-5)
+    assert set(through_the_interpreted_kernel) == {8, 64}  # every layer's window, decoding
 
 
 def lowered_decode_step(preset: str, platform: str) -> str:
