@@ -26,7 +26,6 @@ from bov_jax.interop.checkpoints import export_npz, import_npz, load_state_dict,
 from bov_jax.interop.safe_pickle import UnsafePickleError
 from bov_jax.interop.torch_format import read_state_dict, write_state_dict
 
-
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = (
     "<|bos|>",
