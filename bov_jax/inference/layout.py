@@ -39,6 +39,12 @@ ID_DTYPE = jnp.int32
 NULL_PAGE = 0  # each group's page 0: never allocated; unused and released entries point here
 
 
+def pages_touched(positions: int, page_size: int) -> int:
+    """The most pages that `positions` consecutive positions can touch (starting at a page's
+    last slot): (positions + P - 2) // P + 1."""
+    return (positions + page_size - 2) // page_size + 1
+
+
 def value_modes(spec: ModelSpec, eliminate_bank_v: bool = True) -> tuple[str, ...]:
     """How each layer gets the values of past positions: OWN, BANK or V1 (module doc);
     eliminate_bank_v=False: bank layers keep their values (OWN)."""

@@ -35,7 +35,14 @@ from flax import nnx
 
 from bov_jax.inference import attention, paged_kernels
 from bov_jax.inference.decode import smear_continuing
-from bov_jax.inference.layout import BANK, NULL_PAGE, OWN, CacheLayout, LayerReads
+from bov_jax.inference.layout import (
+    BANK,
+    NULL_PAGE,
+    OWN,
+    CacheLayout,
+    LayerReads,
+    pages_touched,
+)
 from bov_jax.model import layers
 from bov_jax.model.gpt import GPT, ValueContext
 
@@ -85,13 +92,12 @@ def spans_for(
     positions), from the page holding the first to the one holding the last: at most
     end_page + 1 pages, rounded up to a power of two (so a step's spans follow from end_page's
     bucket and columns: few compiled shapes), and never more than the most pages that many
-    consecutive positions can touch, (window + columns + P - 2) // P + 1, a constant of the
-    window and columns, not rounded (a short window reads its few pages, not the next power of
-    two)."""
+    consecutive positions can touch (`layout.pages_touched`), a constant of the window and
+    columns, not rounded (a short window reads its few pages, not the next power of two)."""
     size = layout.page_size
     reach = bucket(end_page + 1, width)
     return tuple(
-        (window, min(reach, (window + columns + size - 2) // size + 1, width))
+        (window, min(reach, pages_touched(window + columns, size), width))
         for window in sorted({reads.window for reads in layout.layers})
     )
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterator
 
 from bov_jax.compile import hlo
+from bov_jax.inference.layout import pages_touched
 from bov_jax.inference.paged_kernels import KERNEL_NAME
 
 KERNEL_CALLS = ("xla.gpu.triton", "tpu_custom_call")
@@ -58,7 +59,7 @@ def window_kernel_bytes(window: int, shapes: list[str], result: str) -> float:
     q, positions, k_tables, _, k_pages, values, *bank = shapes
     _, (batch, width) = _dims(k_tables)
     k_dtype, (heads, _, page, head_dim) = _dims(k_pages)
-    pages = min((window + page - 1) // page + 1, width)
+    pages = min(pages_touched(window + 1, page), width)
     slots = batch * pages * page * heads  # (row, slot, head) triples read
     keys = slots * head_dim * hlo.DTYPE_BYTES[k_dtype]
     if bank:
