@@ -23,8 +23,6 @@ from bov_jax.inference.engine import Engine, EngineConfig
 from bov_jax.inference.sampling import SamplingParams
 from bov_jax.serve.running import running_server
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = load_tokenizer(EMBEDDED_DIR / "tokenizer")
 PROMPT = "The old man looked at the sea and"
