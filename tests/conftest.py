@@ -1,6 +1,9 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32 everywhere; a command's flags."""
+"""Test setup: 8 fake CPU devices for sharding tests, fp32 everywhere, one compilation cache for
+the run; a command's flags."""
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -8,6 +11,22 @@ from absl import flags
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent XLA compilation cache for the whole run, made by the first process to load this
+# file (pytest, or pytest-xdist's controller) and inherited through the environment by xdist's
+# workers and by the commands tests start as subprocesses: the same program (a tiny model's step,
+# say) compiles once per run, not once per process. Its key covers the program, the XLA flags and
+# the compile options, so a hit is the executable a fresh compilation would give.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bov_jax_tests_xla_")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's compilation cache goes with the process that made it."""
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

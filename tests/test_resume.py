@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -21,9 +20,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Compiled steps are reused across the subprocesses (and test sessions): a cached executable
-# computes exactly what a fresh compilation would.
-XLA_CACHE = Path(tempfile.gettempdir()) / "bov_jax_tests_xla_cache"
 STEPS = 8
 TINY = (
     "--config=configs/quickstart.py",
@@ -80,9 +76,6 @@ def environment(devices: int = 1) -> dict[str, str]:
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO),
-        JAX_COMPILATION_CACHE_DIR=str(XLA_CACHE),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
     return env
 

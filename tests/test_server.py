@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ TOKENIZER = load_tokenizer(EMBEDDED_DIR / "tokenizer")
 PROMPT = "The old man looked at the sea and"
 CONFIG = EngineConfig(page_size=4, max_seqs=4, chunk=16, max_context=256, pages=(24, 40))
 TIMEOUT_S = 120
+pytestmark = pytest.mark.usefixtures("fast_xla")  # many step shapes, each compiled for a few runs
 
 
 def served_model():
@@ -94,9 +96,25 @@ def test_the_openai_client_gets_the_engines_completion_whole_and_streamed(server
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
-def test_sixteen_concurrent_streaming_clients_all_finish(server):
+def test_sixteen_concurrent_streaming_clients_all_finish(server, monkeypatch):
     url, engine, _ = server
     preempted = engine.stats()["preemptions"]
+    # The engine steps once all 16 are queued, whatever the order and time they arrive in (a
+    # fast step could otherwise finish each before the next came, and nothing would compete).
+    queued, add, step = threading.Semaphore(0), engine.add, engine.step
+
+    def add_then_count(*args, **kwargs):
+        add(*args, **kwargs)
+        queued.release()
+
+    def step_once_all_queued():
+        for _ in range(16):
+            assert queued.acquire(timeout=TIMEOUT_S), "16 requests did not reach the engine"
+        monkeypatch.setattr(engine, "step", step)
+        return step()
+
+    monkeypatch.setattr(engine, "add", add_then_count)
+    monkeypatch.setattr(engine, "step", step_once_all_queued)
 
     def stream(i: int) -> tuple[str, int]:
         chunks = client(url).completions.create(
