@@ -1,7 +1,7 @@
-"""The engine's paged decoding kernels: the GPU kernel (Pallas Triton, interpret mode here)
-against attention over the gathered pages and through whole engine runs against the full
-forward, which layers each platform lowers to a kernel, and the bytes the kernel is counted
-for."""
+"""The engine's paged decoding kernels, GPU (Pallas Triton) and TPU (Pallas Mosaic), in
+interpret mode here: against attention over the gathered pages and through whole engine runs
+against the full forward; which layers each platform lowers to a kernel, and the bytes a
+kernel is counted for."""
 
 import functools
 import re
@@ -18,7 +18,7 @@ from test_engine import GREEDY, NEW, PROMPTS, VARIANTS, full_logits, random_mode
 from bov_jax.compile import hlo
 from bov_jax.inference import decode, paged, paged_kernels, step_traffic
 from bov_jax.inference.engine import Engine
-from bov_jax.inference.layout import CacheLayout
+from bov_jax.inference.layout import CacheLayout, pages_touched
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 TPU_CALL = "tpu_custom_call"
@@ -54,17 +54,28 @@ def attention_over_gathered_pages(q, keys, values, positions, window):
     return jnp.einsum("bhs,hbsd->bhd", weights, values.astype(jnp.float32))
 
 
+def interpreted(kernel: str, q, reads):
+    """The kernel `kernel` ('gpu' or 'tpu') in interpret mode, for a step that reads each row's
+    window (the TPU kernel's span: the most pages it touches)."""
+    if kernel == "gpu":
+        return paged_kernels.gpu_attention(q, reads, interpret=True)
+    page_size, width = reads.k_pages.shape[2], reads.k_tables.shape[1]
+    span = min(pages_touched(reads.window + 1, page_size), width)
+    return paged_kernels.tpu_attention(q, reads, span, interpret=True)
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
 @pytest.mark.parametrize("page_size", [4, 8])
 @pytest.mark.parametrize("window", [2, 13, 1000])  # within a page, across pages, every position
 @pytest.mark.parametrize("bank", [False, True])
-def test_the_gpu_kernel_equals_attention_over_the_gathered_pages(page_size, window, bank):
+def test_each_kernel_equals_attention_over_the_gathered_pages(kernel, page_size, window, bank):
     q, k_pages, v_pages, ids, table, k_tables, v_tables = kernel_inputs(page_size, 16, jnp.float32)
     positions = jnp.array([0, 3 * page_size + 1, WIDTH * page_size - 1], jnp.int32)
     reads = paged_kernels.PagedReads(
         k_pages, ids if bank else v_pages, k_tables, v_tables, positions, window,
         table if bank else None,
     )  # fmt: skip
-    got = paged_kernels.gpu_attention(q / np.sqrt(16), reads, interpret=True)
+    got = interpreted(kernel, q / np.sqrt(16), reads)
     slots = ROWS, WIDTH * page_size
     keys = k_pages[:, k_tables].reshape(HEADS, *slots, 16)
     if bank:
@@ -78,26 +89,33 @@ def test_the_gpu_kernel_equals_attention_over_the_gathered_pages(page_size, wind
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_gpu_kernel_reads_pages_in_their_dtype_and_sums_in_fp32():
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+def test_each_kernel_reads_pages_in_their_dtype_and_sums_in_fp32(kernel):
     q, k_pages, v_pages, ids, table, k_tables, v_tables = kernel_inputs(8, 16, jnp.bfloat16)
     positions = jnp.array([5, 40, 79], jnp.int32)
     reads = paged_kernels.PagedReads(k_pages, ids, k_tables, v_tables, positions, 20, table)
-    got = paged_kernels.gpu_attention(q / np.sqrt(16), reads, interpret=True)
+    got = interpreted(kernel, q / np.sqrt(16), reads)
     wide = reads._replace(k_pages=k_pages.astype(jnp.float32), bank=table.astype(jnp.float32))
-    want = paged_kernels.gpu_attention(q / np.sqrt(16), wide, interpret=True)
+    want = interpreted(kernel, q / np.sqrt(16), wide)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # bf16 values are exact in fp32
 
 
-@pytest.fixture
-def through_the_interpreted_kernel(monkeypatch) -> list[int]:
-    """`paged_kernels.decode_attention` as lowered for a GPU, the kernel interpreted, for the
-    steps traced while the test runs (the step's compiled programs are dropped before and
-    after: one compiled by another test would not trace it); the windows it was traced for."""
+@pytest.fixture(params=["gpu", "tpu"])
+def through_the_interpreted_kernel(request, monkeypatch) -> list[int]:
+    """`paged_kernels.decode_attention` as lowered for a GPU or a TPU, the kernel interpreted,
+    for the steps traced while the test runs (the step's compiled programs are dropped before
+    and after: one compiled by another test would not trace it); the windows it was traced
+    for."""
     traced = []
 
-    def decode_attention(q, reads, coef, xla, *, tpu_span):
+    def decode_attention(q, reads, coef, xla, *, span):
         traced.append(reads.window)
-        run = functools.partial(paged_kernels.gpu_attention, reads=reads, interpret=True)
+        if request.param == "gpu":
+            run = functools.partial(paged_kernels.gpu_attention, reads=reads, interpret=True)
+        else:
+            run = functools.partial(
+                paged_kernels.tpu_attention, reads=reads, span=span, interpret=True
+            )
         return paged_kernels.through_kernel(run, q, coef)
 
     monkeypatch.setattr(paged_kernels, "decode_attention", decode_attention)
@@ -106,7 +124,7 @@ def through_the_interpreted_kernel(monkeypatch) -> list[int]:
     paged.forward_step.clear_cache()
 
 
-def test_engine_decoding_through_the_gpu_kernel_equals_the_full_forward(
+def test_engine_decoding_through_each_kernel_equals_the_full_forward(
     through_the_interpreted_kernel,
 ):
     """BoV without a V cache, every decoding step's attention in the kernel (own layers of
@@ -153,27 +171,20 @@ def lowered_decode_step(preset: str, platform: str) -> str:
     return exported(state, paged.abstract_pools(layout, (12, 12)), inputs).mlir_module()
 
 
-def test_on_tpus_only_one_table_layers_whose_window_reaches_every_position_take_the_kernel():
-    assert paged_kernels.tpu_eligible(64, True, False, page_size=16, width=4)  # 64 positions
-    assert not paged_kernels.tpu_eligible(64, True, False, page_size=16, width=5)  # 80: cut
-    assert not paged_kernels.tpu_eligible(64, False, False, page_size=16, width=4)  # v1
-    assert not paged_kernels.tpu_eligible(64, True, True, page_size=16, width=4)  # bank
-
-
 @pytest.mark.parametrize(
     ("preset", "platform", "triton", "mosaic"),
     [
         ("d12", "cuda", 4, 0),  # every layer in the engine's kernel, windows cutting or not
-        ("d12", "tpu", 0, 1),  # layer 3 (window 64 of 64 positions) in JAX's kernel
+        ("d12", "tpu", 0, 4),
         ("d12_bov", "cuda", 4, 0),  # layers 2, 3 weigh bank rows in it
-        ("d12_bov", "tpu", 0, 0),
+        ("d12_bov", "tpu", 0, 4),
         ("d12", "cpu", 0, 0),
     ],
 )
 def test_the_decoding_step_lowers_its_kernels_per_platform(preset, platform, triton, mosaic):
     text = lowered_decode_step(preset, platform)
     assert (text.count(TRITON_CALL), text.count(TPU_CALL)) == (triton, mosaic)
-    if platform == "cuda":  # no layer's pages or bank rows gathered in XLA ops
+    if platform != "cpu":  # no layer's pages or bank rows gathered in XLA ops
         modes = ("pages", "pages", "bank", "bank") if preset == "d12_bov" else ("pages",) * 4
         names = {f"{paged_kernels.KERNEL_NAME}_w{w}_{m}" for w, m in zip((8, 8, 8, 64), modes)}
         assert set(re.findall(rf"{paged_kernels.KERNEL_NAME}_\w+", text)) == names
@@ -201,31 +212,36 @@ def test_spans_cover_every_page_a_window_reaches_and_no_page_more(page_size, col
     assert dict(far) == widest  # far from the start, the span is the most pages ever touched
 
 
-def test_the_kernels_bytes_are_the_pages_its_window_touches():
-    """`step_traffic` counts the GPU kernel of a compiled step by the pages its window (named
-    in the kernel) touches per row, not by its pools: 8 rows, 4 heads of 128, pages of 16,
-    tables of 128 logical pages; window 40 touches 4 pages (41 positions), 5000 every one."""
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_kernels_bytes_are_the_pages_its_window_touches(platform):
+    """`step_traffic` counts a kernel of a compiled step by the pages its window (named in the
+    kernel: in the GPU call's backend config, as the TPU call's own name) touches per row, not
+    by its pools: 8 rows, 4 heads of 128, pages of 16, tables of 128 logical pages (the TPU
+    kernel's cut to the window's span, flat); window 40 touches 4 pages (41 positions), 5000
+    every one."""
+    tpu = platform == "tpu"
     shapes = {
         "q": "bf16[8,4,128]{2,1,0}",
         "pos": "s32[8]{0}",
-        "kt": "s32[8,128]{1,0}",
-        "vt": "s32[8,128]{1,0}",
         "k": "bf16[4,9000,16,128]{3,2,1,0}",
         "v": "bf16[4,9000,16,128]{3,2,1,0}",
-        "ids": "s32[9000,16]{1,0}",
-        "bank": "bf16[32768,512]{1,0}",
+        "ids": "s32[9000,1,16]{2,1,0}" if tpu else "s32[9000,16]{1,0}",
+        "bank": "bf16[32768,1,512]{2,0,1}" if tpu else "bf16[32768,512]{1,0}",
     }
 
     def counted(window: int, values: str) -> float:
-        operands = ["q", "pos", "kt", "vt", "k", values] + (["bank"] if values == "ids" else [])
-        kind = "bank" if values == "ids" else "pages"
+        span = min(pages_touched(window + 1, 16), 128)
+        shapes["kt"] = shapes["vt"] = f"s32[{8 * span}]{{0}}" if tpu else "s32[8,128]{1,0}"
+        operands = ["pos", "kt", "vt", "q", "k", values] + (["bank"] if values == "ids" else [])
+        name = f"{paged_kernels.KERNEL_NAME}_w{window}_{'bank' if values == 'ids' else 'pages'}"
         call = hlo.Instruction(
-            name="call",
+            name=f"{name}.1" if tpu else "call",
             shape="f32[8,4,128]{2,1,0}",
             opcode="custom-call",
             arguments=", ".join(f"%{o}" for o in operands),
-            attributes=f'custom_call_target="__gpu$xla.gpu.triton", backend_config='
-            f'{{"name":"{paged_kernels.KERNEL_NAME}_w{window}_{kind}"}}',
+            attributes='custom_call_target="tpu_custom_call"'
+            if tpu
+            else f'custom_call_target="__gpu$xla.gpu.triton", backend_config={{"name":"{name}"}}',
         )
         assert step_traffic.is_kernel(call)
         return step_traffic.kernel_bytes(call, shapes)

@@ -233,10 +233,7 @@ def _attend(
     if columns > 1 or not paged_kernels.enabled():
         return gathers(q)
     k_group, v_group = layout.pool(reads.keys).group, layout.pool(reads.values).group
-    width = inputs.tables[k_group].shape[1]
     bank = attn.value.bank.embedding[...] if reads.mode == BANK else None
-    one_table = k_group == v_group
-    tpu = paged_kernels.tpu_eligible(window, one_table, bank is not None, size, width)
     kernel_reads = paged_kernels.PagedReads(
         k_pages=pools[reads.keys],
         values=pools[reads.values],
@@ -246,9 +243,7 @@ def _attend(
         window=window,
         bank=bank,
     )
-    return paged_kernels.decode_attention(
-        q, kernel_reads, coef, gathers, tpu_span=span if tpu else None
-    )
+    return paged_kernels.decode_attention(q, kernel_reads, coef, gathers, span=span)
 
 
 def hidden_paged(

@@ -2,11 +2,10 @@
 
 `hlo.memory_traffic` counts each op outside a fusion by its operands and result. A Pallas
 kernel is a custom call whose operands are whole arrays of which it reads a part: the
-paged-attention kernels read the pages their block tables name, not the pools; the bank
-kernel reads the table rows of the visible ids, not the table; the engine's GPU kernel
-(`paged_kernels.gpu_attention`, named with its window) reads the pages a window touches and,
-for a bank layer, the rows its id pages name. Those are counted here by the parts they read;
-every other op as `hlo.op_traffic` counts it.
+engine's paged kernels (`paged_kernels`, named with their window) read the pages a window
+touches and, for a bank layer, the rows its id pages name, not the pools; the bank kernel
+reads the table rows of the visible ids, not the table. Those are counted here by the parts
+they read; every other op as `hlo.op_traffic` counts it.
 """
 
 from __future__ import annotations
@@ -27,18 +26,6 @@ def _dims(shape: str) -> tuple[str, tuple[int, ...]]:
     return next(hlo.arrays(shape))
 
 
-def paged_kernel_bytes(shapes: list[str], result: str) -> float:
-    """A paged-attention kernel: the pages its block tables name, in K and in V, and every
-    other operand and output whole. The pools are its two largest operands; the tables its
-    largest int32 one ((B, span) on GPUs, flattened on TPUs): one page read per entry."""
-    by_size = sorted(shapes, key=hlo.shape_bytes)
-    pool, small = by_size[-1], by_size[:-2]
-    entries = max(math.prod(_dims(s)[1]) for s in small if _dims(s)[0] == "s32")
-    dtype, (heads, _, page, head_dim) = _dims(pool)
-    pages_read = 2 * entries * heads * page * head_dim * hlo.DTYPE_BYTES[dtype]
-    return pages_read + sum(map(hlo.shape_bytes, small)) + hlo.shape_bytes(result)
-
-
 def bank_kernel_bytes(shapes: list[str], result: str) -> float:
     """The bank kernel (`bank_gather.weighted_rows_kernel`): its weights (B, C, H), the
     window of ids and the table rows it gathers (B x C x table width), its output."""
@@ -51,14 +38,16 @@ def bank_kernel_bytes(shapes: list[str], result: str) -> float:
 
 
 def window_kernel_bytes(window: int, shapes: list[str], result: str) -> float:
-    """The engine's GPU kernel: per row, the pages a window of `window` + 1 positions touches
-    (at most the table's width): their K pages and V pages, or their id pages (read by each
-    head's program) and one bank row of head width per slot and head; the queries, positions,
-    the tables' entries it reads and its output whole. Operands: q (B, H, hd), positions
-    (B,), k and v tables (B, W), K pages (H, N, P, hd), V pages or ids (N, P)[, the bank]."""
-    q, positions, k_tables, _, k_pages, values, *bank = shapes
-    _, (batch, width) = _dims(k_tables)
+    """The engine's kernels (`paged_kernels`): per row, the pages a window of `window` + 1
+    positions touches (at most the table's width): their K pages and V pages, or their id
+    pages and one bank row of head width per slot and head; the positions, the tables'
+    entries and the queries it reads and its output. Operands: positions (B,), K and V
+    tables ((B, W), or (B * W,) cut to the window), q (B, H, hd), K pages (H, N, P, hd), V
+    pages or ids[, the bank]."""
+    positions, k_tables, _, q, k_pages, values, *bank = shapes
     k_dtype, (heads, _, page, head_dim) = _dims(k_pages)
+    batch = _dims(q)[1][0]
+    width = math.prod(_dims(k_tables)[1]) // batch
     pages = min(pages_touched(window + 1, page), width)
     slots = batch * pages * page * heads  # (row, slot, head) triples read
     keys = slots * head_dim * hlo.DTYPE_BYTES[k_dtype]
@@ -72,14 +61,16 @@ def window_kernel_bytes(window: int, shapes: list[str], result: str) -> float:
     return keys + values_read + entries + small
 
 
-def kernel_bytes(instruction: hlo.Instruction, shapes: dict[str, str]) -> float:
+def kernel_bytes(instruction: hlo.Instruction, shapes: dict[str, str]) -> float | None:
+    """A kernel of ours by what it reads and writes; None for another (counted whole)."""
     operands = [shapes.get(o, "") for o in instruction.operands]
-    named = re.search(rf"{KERNEL_NAME}_w(\d+)_", instruction.attributes)
+    # the GPU kernel's name is in its backend config, the TPU kernel's is the op's own
+    named = re.search(rf"{KERNEL_NAME}_w(\d+)_", instruction.name + instruction.attributes)
     if named:
         return window_kernel_bytes(int(named.group(1)), operands, instruction.shape)
     if len(operands) == 4 and len(_dims(operands[0])[1]) == 3:  # weights (B, C, H) first
         return bank_kernel_bytes(operands, instruction.shape)
-    return paged_kernel_bytes([s for s in operands if s], instruction.shape)
+    return None
 
 
 def is_kernel(instruction: hlo.Instruction) -> bool:
@@ -96,10 +87,10 @@ def op_bytes(module: hlo.Module) -> Iterator[tuple[hlo.Instruction, float]]:
         for instruction in module.computations[name]:
             if not hlo.moves_data(instruction):
                 continue
-            if is_kernel(instruction):
-                yield instruction, times * kernel_bytes(instruction, shapes)
-            else:
-                yield instruction, times * hlo.op_traffic(module, instruction, shapes)
+            counted = kernel_bytes(instruction, shapes) if is_kernel(instruction) else None
+            if counted is None:
+                counted = hlo.op_traffic(module, instruction, shapes)
+            yield instruction, times * counted
 
 
 def decode_step_bytes(module: hlo.Module) -> float:
