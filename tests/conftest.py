@@ -1,5 +1,5 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32 everywhere, one compilation cache for
-the run; a command's flags."""
+"""Test setup: 8 fake CPU devices for sharding tests, fp32 everywhere, XLA's cheap compilation
+and one compilation cache for the run, the slowest modules first; a command's flags."""
 
 import os
 import shutil
@@ -11,6 +11,12 @@ from absl import flags
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# XLA's cheap compilation (same semantics, slower programs) for the whole run, the commands
+# tests start included: most programs here are compiled for a run or two of tiny shapes, and
+# compiling is most of the suite's time. (What the tests read of compiled programs, fusions,
+# collectives, temporaries, holds under it too: the whole suite passes with it.)
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 # One persistent XLA compilation cache for the whole run, made by the first process to load this
 # file (pytest, or pytest-xdist's controller) and inherited through the environment by xdist's
@@ -27,19 +33,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """The run's compilation cache goes with the process that made it."""
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def fast_xla() -> Iterator[None]:
-    """XLA's cheap compilation (same semantics, slower programs) for a module of many compiled
-    programs each run once or twice (`pytestmark = pytest.mark.usefixtures("fast_xla")`),
-    restored for the other modules."""
-    import jax  # after the environment above
-
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture
@@ -60,3 +53,27 @@ def command_flags() -> Iterator[Callable[..., None]]:
     flags.FLAGS.unparse_flags()
     for name in set(flags.FLAGS) - before:
         delattr(flags.FLAGS, name)
+
+
+# Longest first: pytest-xdist hands whole modules (--dist loadfile) to its workers in the
+# order they were collected; the slowest go first so that none runs alone at the end.
+SLOWEST_FIRST = (
+    "test_fsdp",
+    "test_reliability",
+    "test_engine",
+    "test_slurm",
+    "test_paged_kernels",
+    "test_resume",
+    "test_compile",
+    "test_decode",
+    "test_checkpoint",
+    "test_train",
+    "test_server",
+    "test_reference_checkpoint",
+    "test_multiprocess",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))

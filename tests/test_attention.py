@@ -8,8 +8,6 @@ import pytest
 
 from bov_jax.model import layers
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 
 def attend_and_grads(attend, q, k, v):
     """attend's output and the gradients wrt q, k, v of a random projection of it."""

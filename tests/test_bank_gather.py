@@ -11,8 +11,6 @@ from jax import export
 
 from bov_jax.inference import bank_gather, decode
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 

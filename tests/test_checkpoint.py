@@ -42,8 +42,6 @@ from bov_jax.train.state import create_train_state
 from bov_jax.train.step import make_train_step
 from configs import quickstart
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 STEPS = 4
 
 

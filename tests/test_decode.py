@@ -56,9 +56,6 @@ def full_forward(model, ids):
     return _forward(*nnx.split(model), ids)
 
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
-
 def random_model(preset: str, seed: int = 3, depth: int = 4, **overrides):
     model = tiny_model(preset, depth=depth, **overrides)
     randomize(model, seed=seed)  # live output projections, smear and coefficients

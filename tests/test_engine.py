@@ -4,7 +4,7 @@ continuous batching, chunked prefill, sliding windows, preemption and recomputat
 Most of this file's time is XLA compiling the engine's step shapes (one program per rows,
 columns and pages bucket, per model structure and pool shapes): the engines here share
 TIGHT's pools and block size wherever the property tested allows, so that later tests run
-the programs earlier ones compiled, and XLA compiles with its cheap settings (`fast_xla`)."""
+the programs earlier ones compiled, and XLA compiles with its cheap settings (conftest)."""
 
 import functools
 
@@ -45,9 +45,6 @@ VARIANTS = {
 def tight(**changes) -> EngineConfig:
     """TIGHT with changes: its pools and blocks, so its compiled step shapes are reused."""
     return EngineConfig(**{**TIGHT.__dict__, **changes})
-
-
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
 
 
 @functools.cache

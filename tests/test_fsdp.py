@@ -38,9 +38,6 @@ ROWS, ACCUM, SEQ = 16, 2, 32  # rows per step over all devices, micro-batches, s
 MUON_NOISE = 0.15
 
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
-
 def setup(preset: str, mesh_shape: tuple[int, int, int], accum: int = ACCUM):
     """(config, mesh, graphdef, state with random weights, shardings, tx) on mesh_shape."""
     config = tiny_config(preset, depth=3, seq_len=SEQ)

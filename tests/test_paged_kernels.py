@@ -24,8 +24,6 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 TPU_CALL = "tpu_custom_call"
 HEADS, POOL_PAGES, ROWS, WIDTH, BANK_ROWS = 2, 40, 3, 10, 50
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 
 def kernel_inputs(page_size: int, head_dim: int, dtype, seed: int = 0):
     """Random pools (K, V, ids) of POOL_PAGES pages, a bank table, queries (ROWS, H, hd) and

@@ -13,8 +13,6 @@ from bov_jax.inference.engine import Engine, EngineConfig
 from bov_jax.probes import induction, passkey, positions
 from bov_jax.probes.model_fns import token_fn
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 
 @pytest.fixture(scope="module")
 def model():

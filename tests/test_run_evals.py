@@ -19,8 +19,6 @@ from bov_jax.report.runs import single_run
 from bov_jax.train import loop
 from configs import quickstart
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 BUNDLE = Path(__file__).parent / "data" / "core" / "bundle"
 STEPS = 2
 

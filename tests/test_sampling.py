@@ -11,8 +11,6 @@ import pytest
 from bov_jax.inference import sampling
 from bov_jax.inference.sampling import Row, SamplingParams
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 B, V = 8, 512
 
 

@@ -29,7 +29,6 @@ TOKENIZER = load_tokenizer(EMBEDDED_DIR / "tokenizer")
 PROMPT = "The old man looked at the sea and"
 CONFIG = EngineConfig(page_size=4, max_seqs=4, chunk=16, max_context=256, pages=(24, 40))
 TIMEOUT_S = 120
-pytestmark = pytest.mark.usefixtures("fast_xla")  # many step shapes, each compiled for a few runs
 
 
 def served_model():

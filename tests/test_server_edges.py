@@ -33,8 +33,6 @@ from bov_jax.serve import __main__ as command
 from bov_jax.serve import running, warmup
 from bov_jax.serve.running import running_server
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = load_tokenizer(EMBEDDED_DIR / "tokenizer")
 PROMPT = "The old man looked at the sea and"

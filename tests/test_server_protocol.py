@@ -21,8 +21,6 @@ from bov_jax.serve.protocol import ChatMessage
 from bov_jax.serve.running import running_server
 from bov_jax.serve.tokens import ServedTokenizer
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 SERVED = ServedTokenizer(TOKENIZER)
 RNG = np.random.default_rng(7)
 

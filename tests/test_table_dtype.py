@@ -22,8 +22,6 @@ from bov_jax.train import optim
 from bov_jax.train.checkpoint import Checkpoints
 from bov_jax.train.state import TrainState
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32
 

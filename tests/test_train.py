@@ -21,8 +21,6 @@ from bov_jax.train.optim import param_labels
 from bov_jax.train.state import all_finite, create_train_state
 from bov_jax.train.step import accumulate_gradients, make_train_step
 
-pytestmark = pytest.mark.usefixtures("fast_xla")  # conftest: XLA's cheap compilation
-
 
 def in_memory_batches(steps: int, accum: int, rows: int, seq_len: int, vocab: int, seed=0):
     """Random token batches {inputs, targets}: (accum, rows, T) each, targets shifted by one."""

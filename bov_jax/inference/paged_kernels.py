@@ -139,7 +139,8 @@ def tpu_attention(
     page, then the V page or, for a bank layer, the id page (to scalar memory) and, by one DMA
     per slot, the bank rows it names. A step past the row's last page names that page again,
     which Pallas does not fetch twice, and is skipped. Online softmax over a row's steps in
-    VMEM. `interpret`: Pallas's TPU interpret mode (any platform; for tests)."""
+    VMEM. `interpret`: Pallas's interpret mode (any platform; for tests), its TPU interpreter
+    (which simulates DMAs and semaphores) for a bank layer."""
     batch, heads, head_dim = q.shape
     page_size = reads.k_pages.shape[2]
     window, bank = reads.window, reads.bank is not None
@@ -254,7 +255,7 @@ def tpu_attention(
         grid_spec=grid,
         out_shape=jax.ShapeDtypeStruct((batch, heads, head_dim), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=pltpu.InterpretParams() if interpret and bank else interpret,
         name=f"{KERNEL_NAME}_w{window}_{'bank' if bank else 'pages'}",
     )(*operands)
 
