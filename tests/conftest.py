@@ -1,5 +1,5 @@
 """Test setup: 8 fake CPU devices for sharding tests, fp32 everywhere, XLA's cheap compilation
-and one compilation cache for the run, the slowest modules first; a command's flags."""
+and one compilation cache for the run; a command's flags."""
 
 import os
 import shutil
@@ -54,26 +54,3 @@ def command_flags() -> Iterator[Callable[..., None]]:
     for name in set(flags.FLAGS) - before:
         delattr(flags.FLAGS, name)
 
-
-# Longest first: pytest-xdist hands whole modules (--dist loadfile) to its workers in the
-# order they were collected; the slowest go first so that none runs alone at the end.
-SLOWEST_FIRST = (
-    "test_fsdp",
-    "test_reliability",
-    "test_engine",
-    "test_slurm",
-    "test_paged_kernels",
-    "test_resume",
-    "test_compile",
-    "test_decode",
-    "test_checkpoint",
-    "test_train",
-    "test_server",
-    "test_reference_checkpoint",
-    "test_multiprocess",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))
