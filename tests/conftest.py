@@ -53,4 +53,3 @@ def command_flags() -> Iterator[Callable[..., None]]:
     flags.FLAGS.unparse_flags()
     for name in set(flags.FLAGS) - before:
         delattr(flags.FLAGS, name)
-
