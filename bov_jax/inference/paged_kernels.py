@@ -57,6 +57,15 @@ def enabled() -> bool:
     return os.environ.get("BOV_PAGED_KERNEL") != "0"
 
 
+def window_pages(positions: jax.Array, window: int, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """For queries at positions (any shape, >= 0): the first logical page their window
+    touches (the one holding max(p - window, 0)) and how many pages it touches, to the one
+    holding p. lax.div, not jnp's //: no sign logic, which Mosaic lowers through the chip's
+    kind (unknown when compiling ahead of time)."""
+    first = jax.lax.div(jnp.maximum(positions - window, 0), page_size)
+    return first, jax.lax.div(positions, page_size) - first + 1
+
+
 def gpu_attention(q: jax.Array, reads: PagedReads, *, interpret: bool = False) -> jax.Array:
     """Softmax attention of q (B, H, hd), already scaled by 1/sqrt(hd), over the positions
     each row's window sees: (B, H, hd) fp32. One Pallas (Triton) program per (row, head)
@@ -72,7 +81,7 @@ def gpu_attention(q: jax.Array, reads: PagedReads, *, interpret: bool = False) -
         bank_ref, out_ref = rest if bank else (None, *rest)
         row, head = pl.program_id(0), pl.program_id(1)
         position = pos_ref[row]
-        first = jnp.maximum(position - window, 0) // page_size
+        first, pages = window_pages(position, window, page_size)
         query = q_ref[0, 0, :].astype(jnp.float32)
         columns = head * head_dim + jnp.arange(head_dim)
 
@@ -95,7 +104,6 @@ def gpu_attention(q: jax.Array, reads: PagedReads, *, interpret: bool = False) -
             weighed = jnp.sum(p[:, None] * rows.astype(jnp.float32), axis=0)
             return new_top, total * rescale + jnp.sum(p), acc * rescale + weighed
 
-        pages = position // page_size - first + 1
         start = (jnp.float32(-jnp.inf), jnp.float32(0), jnp.zeros((head_dim,), jnp.float32))
         _, total, acc = jax.lax.fori_loop(0, pages, add_page, start)
         out_ref[0, 0, :] = acc / total
@@ -124,7 +132,7 @@ def window_tables(
     """The entries of tables (B, W) for each row's window, logical pages first .. first +
     span - 1 from the one holding max(p - window, 0) (past the table's width: its last
     entry): (B, span) int32."""
-    first = jnp.maximum(positions - window, 0) // page_size
+    first, _ = window_pages(positions, window, page_size)
     logical = jnp.minimum(first[:, None] + jnp.arange(span)[None, :], tables.shape[1] - 1)
     return jnp.take_along_axis(tables, logical, axis=1)
 
@@ -150,19 +158,12 @@ def tpu_attention(
         for t in (reads.k_tables, reads.v_tables)
     )
 
-    def pages_of(row: jax.Array, positions_ref) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The row's position, its window's first logical page and how many pages it
-        touches (lax.div: no sign logic, which jnp's // lowers through the chip's kind)."""
-        position = positions_ref[row]
-        first = jax.lax.div(jnp.maximum(position - window, 0), page_size)
-        return position, first, jax.lax.div(position, page_size) - first + 1
-
     def page(table: int, block_at: Callable[[jax.Array], tuple]) -> Callable:
         """The index map of a pool's block: `block_at` the page that table `table` (0 the
         keys', 1 the values') names at step i."""
 
         def index_map(row, i, positions_ref, *entries_refs):
-            count = pages_of(row, positions_ref)[2]
+            count = window_pages(positions_ref[row], window, page_size)[1]
             return block_at(entries_refs[table][row * span + jnp.minimum(i, count - 1)])
 
         return index_map
@@ -173,7 +174,8 @@ def tpu_attention(
     def kernel(positions_ref, _k, _v, q_ref, k_ref, v_ref, *rest):
         bank_ref, out_ref, top_ref, total_ref, acc_ref, *copying = rest if bank else (None, *rest)
         row, i = pl.program_id(0), pl.program_id(1)
-        position, first, count = pages_of(row, positions_ref)
+        position = positions_ref[row]
+        first, count = window_pages(position, window, page_size)
 
         @pl.when(i == 0)
         def _start() -> None:
