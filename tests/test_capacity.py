@@ -110,7 +110,7 @@ def test_the_plan_on_the_host_cpu_counts_what_its_compiled_step_fits():
     target = Target("host", "cpu", 1, 24 * 2**20, "", "h100")
     plan = capacity.plan("BoV", spec, True, target, device, LENGTH, SIZE, CHUNK, 0.1)
     layout = CacheLayout.build(spec, SIZE)
-    graphdef, params = capacity.abstract_params(spec, device)
+    graphdef, params = capacity.abstract_params(spec, layout, device)
     limit = int(target.hbm_bytes * 0.9)
 
     def peak(n: int) -> int:

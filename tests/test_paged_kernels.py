@@ -16,8 +16,8 @@ from jax import export
 from test_engine import GREEDY, NEW, PROMPTS, VARIANTS, full_logits, random_model, tight
 
 from bov_jax.compile import hlo
-from bov_jax.inference import decode, paged, paged_kernels, step_traffic
-from bov_jax.inference.engine import Engine
+from bov_jax.inference import bank_words, decode, paged, paged_kernels, step_traffic
+from bov_jax.inference.engine import Engine, serving_params
 from bov_jax.inference.layout import CacheLayout, pages_touched
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -71,7 +71,7 @@ def test_each_kernel_equals_attention_over_the_gathered_pages(kernel, page_size,
     positions = jnp.array([0, 3 * page_size + 1, WIDTH * page_size - 1], jnp.int32)
     reads = paged_kernels.PagedReads(
         k_pages, ids if bank else v_pages, k_tables, v_tables, positions, window,
-        table if bank else None,
+        bank_words.pack(table, HEADS) if bank else None, jnp.float32,
     )  # fmt: skip
     got = interpreted(kernel, q / np.sqrt(16), reads)
     slots = ROWS, WIDTH * page_size
@@ -88,14 +88,25 @@ def test_each_kernel_equals_attention_over_the_gathered_pages(kernel, page_size,
 
 
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
-def test_each_kernel_reads_pages_in_their_dtype_and_sums_in_fp32(kernel):
-    q, k_pages, v_pages, ids, table, k_tables, v_tables = kernel_inputs(8, 16, jnp.bfloat16)
+@pytest.mark.parametrize("head_dim", [16, 128, 256])  # TPU: a row's words in 1, 1, 2 x 128 lanes
+def test_each_kernel_reads_pages_in_their_dtype_and_sums_in_fp32(kernel, head_dim):
+    """bf16 pages and bank words (two values a word) against the same values in fp32 (one a
+    word): bf16 values are exact in fp32, and every sum is fp32 in both."""
+    q, k_pages, v_pages, ids, table, k_tables, v_tables = kernel_inputs(8, head_dim, jnp.bfloat16)
     positions = jnp.array([5, 40, 79], jnp.int32)
-    reads = paged_kernels.PagedReads(k_pages, ids, k_tables, v_tables, positions, 20, table)
-    got = interpreted(kernel, q / np.sqrt(16), reads)
-    wide = reads._replace(k_pages=k_pages.astype(jnp.float32), bank=table.astype(jnp.float32))
-    want = interpreted(kernel, q / np.sqrt(16), wide)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # bf16 values are exact in fp32
+    words = bank_words.pack(table, HEADS)
+    reads = paged_kernels.PagedReads(
+        k_pages, ids, k_tables, v_tables, positions, 20, words, jnp.bfloat16
+    )
+    got = interpreted(kernel, q / np.sqrt(head_dim), reads)
+    wide = reads._replace(
+        k_pages=k_pages.astype(jnp.float32),
+        bank=bank_words.pack(table.astype(jnp.float32), HEADS),
+        bank_dtype=jnp.float32,
+    )
+    want = interpreted(kernel, q / np.sqrt(head_dim), wide)
+    assert words.shape[2] * 2 == wide.bank.shape[2] == HEADS * head_dim
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture(params=["gpu", "tpu"])
@@ -159,6 +170,7 @@ def lowered_decode_step(preset: str, platform: str) -> str:
         tuple(jax.ShapeDtypeStruct((4, width), jnp.int32) for _ in layout.groups),
     )
     graphdef, state = nnx.split(model)
+    state = serving_params(model, state, layout)
     spans = paged.spans_for(layout, width - 1, 1, width)
     # the plain function: a fresh trace (the environment is read when tracing)
     step = functools.partial(paged.forward_step.__wrapped__, graphdef, layout=layout, spans=spans)
@@ -224,7 +236,8 @@ def test_the_kernels_bytes_are_the_pages_its_window_touches(platform):
         "k": "bf16[4,9000,16,128]{3,2,1,0}",
         "v": "bf16[4,9000,16,128]{3,2,1,0}",
         "ids": "s32[9000,1,16]{2,1,0}" if tpu else "s32[9000,16]{1,0}",
-        "bank": "bf16[32768,1,512]{2,0,1}" if tpu else "bf16[32768,512]{1,0}",
+        # 4 heads of 128 bf16 columns: 256 words a row (`bank_words`)
+        "bank": "u32[32768,1,256]{2,1,0}" if tpu else "u32[32768,256]{1,0}",
     }
 
     def counted(window: int, values: str) -> float:

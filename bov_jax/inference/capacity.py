@@ -111,12 +111,13 @@ def variants(spec: ModelSpec) -> dict[str, tuple[ModelSpec, bool]]:
     return {VARIANTS[0]: (base, True), VARIANTS[1]: (spec, False), VARIANTS[2]: (spec, True)}
 
 
-def abstract_params(spec: ModelSpec, device) -> nnx.State:
+def abstract_params(spec: ModelSpec, layout: CacheLayout, device) -> nnx.State:
     """The served parameters as ShapeDtypeStructs on `device`."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(spec)))
+    model = nnx.eval_shape(lambda: GPT(spec))
+    graphdef, state = nnx.split(model)
     placed = SingleDeviceSharding(device)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), state)
-    return graphdef, serving_params(state, spec.compute_dtype)
+    return graphdef, serving_params(model, state, layout)
 
 
 def nbytes(tree: Any) -> int:
@@ -242,7 +243,7 @@ def plan(
     """The most sequences of `context` tokens the variant serves on one chip (module doc)."""
     began = time.perf_counter()
     layout = CacheLayout.build(spec, page_size, None, eliminate_bank_v)
-    graphdef, params = abstract_params(spec, device)
+    graphdef, params = abstract_params(spec, layout, device)
     weights = nbytes(params)
     limit = int(target.hbm_bytes * (1 - margin))
     chunk = min(chunk, context)

@@ -39,13 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bov_jax.inference import paged, sampling
+from bov_jax.inference import bank_words, paged, sampling
 from bov_jax.inference.allocator import PageAllocator
-from bov_jax.inference.layout import CacheLayout
+from bov_jax.inference.layout import BANK, CacheLayout
 from bov_jax.inference.sampling import SamplingParams
 from bov_jax.inference.scheduler import Scheduler, Sequence
 from bov_jax.inference.texts import Tokenizer, completion_text
 from bov_jax.model.gpt import GPT
+from bov_jax.model.tables import embedding_paths
 
 PROMPT_CONTEXT = 8  # prompt tokens decoded with a completion, for pieces that need the left
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this many seconds
@@ -73,19 +74,30 @@ class EngineConfig:
     prefix_sharing: bool = True  # a sequence starts from the pages of a running one's prefix
 
 
-def serving_params(params: nnx.State, dtype: jnp.dtype) -> nnx.State:
-    """The parameters (arrays or ShapeDtypeStructs) with every floating one in the compute
-    dtype: what the forward casts them to at each use, so serving them cast changes no
-    result and holds bf16 weights, not fp32 masters, on accelerators."""
+def serving_params(model: GPT, params: nnx.State, layout: CacheLayout) -> nnx.State:
+    """The parameters of `model` (`params`: arrays or ShapeDtypeStructs) as the step takes
+    them: every floating one in the compute dtype, what the forward casts them to at each use
+    (so serving them cast changes no result and holds bf16 weights, not fp32 masters, on
+    accelerators); where the layout reads bank rows by id (BANK layers), the banks as words
+    (`bank_words.pack`), as the paged kernels read them."""
+    dtype, heads = model.spec.compute_dtype, model.spec.n_head
+    by_id = any(reads.mode == BANK for reads in layout.layers)
+    banks = {p for role, p in embedding_paths(model).items() if by_id and role.startswith("bank")}
 
-    def cast(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
+    def served(x):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(dtype)
+        return x
+
+    def serve(path: tuple, x):
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        as_served = (lambda t: bank_words.pack(served(t), heads)) if keys in banks else served
         if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
-        return x.astype(dtype)
+            out = jax.eval_shape(as_served, x)
+            return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=x.sharding)
+        return as_served(x)
 
-    return jax.tree.map(cast, params)
+    return jax.tree_util.tree_map_with_path(serve, params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +209,7 @@ class Engine:
         self.pages, self.chunk = tuple(pages), chunk
         self.graphdef, params = nnx.split(model)
         self.device = jax.devices()[0]  # one device serves
-        self.params = jax.device_put(serving_params(params, spec.compute_dtype), self.device)
+        self.params = jax.device_put(serving_params(model, params, self.layout), self.device)
         self._empty_cache()
         if eos_ids is None:
             eos_ids = () if tokenizer is None else (tokenizer.bos_id,)

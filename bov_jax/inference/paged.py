@@ -11,11 +11,11 @@ keys (and values, for an own layer; the ids once, for the bank layers) into the 
 block tables name, then reads the pages its window reaches: a static `span` of logical
 pages from the one holding start - window, gathered by the tables in XLA ops. A decoding
 step (C == 1) runs each layer's attention in `paged_kernels` instead where the platform has
-one: on NVIDIA GPUs every layer (windows and bank rows read where weighed), on TPUs the
-layers JAX's kernel is exact for. Off NVIDIA GPUs the gathers take the span `block_pages`
-pages at a time with an online softmax, so a step never holds more than one block of a
-layer's keys and values gathered (on GPUs, prefill chunks and BOV_PAGED_KERNEL=0 steps,
-the span is one block: a decoding bank layer's rows then go through `bank_gather`'s kernel).
+one (NVIDIA GPUs and TPUs: windows, V pages and bank rows read where weighed). Off NVIDIA
+GPUs the gathers take the span `block_pages` pages at a time with an online softmax, so a
+step never holds more than one block of a layer's keys and values gathered (on GPUs,
+prefill chunks and BOV_PAGED_KERNEL=0 steps, the span is one block). A bank layer's table
+comes as words (`bank_words`; the engine's `serving_params`), unpacked where read.
 Padding writes go to the null page, and padding queries repeat their row's last position,
 so every query sees at least one key and nothing non-finite reaches a page.
 
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bov_jax.inference import attention, paged_kernels
+from bov_jax.inference import bank_words, paged_kernels
 from bov_jax.inference.decode import smear_continuing
 from bov_jax.inference.layout import (
     BANK,
@@ -149,13 +149,16 @@ def _attend(
     rows: Rows,
     span: int,
     block_pages: int,
+    bank_dtype: jnp.dtype,
 ) -> jax.Array:
     """One layer's attention over its pages: q (B, C, H, hd) -> (B, C, H, hd). `block_pages`:
-    logical pages the XLA path weighs at a time off NVIDIA GPUs (`forward_step`)."""
+    logical pages the XLA path weighs at a time off NVIDIA GPUs (`forward_step`);
+    `bank_dtype`: the dtype of the values a bank layer's words hold (`bank_words`)."""
     size, window = layout.page_size, reads.window
     batch, columns, heads, head_dim = q.shape
     first = jnp.maximum(inputs.start - window, 0) // size
     coef = 1.0 if reads.mode == OWN else attn.value.replace_coef()
+    bank = attn.value.bank.embedding[...] if reads.mode == BANK else None  # (R, 1, K) words
 
     def pages(pool: str, logical: jax.Array) -> jax.Array:
         table = inputs.tables[layout.pool(pool).group]
@@ -176,11 +179,12 @@ def _attend(
     def weighed(p: jax.Array, logical: jax.Array, value_pool: jax.Array) -> jax.Array:
         """sum_s p[b, h, q, s] * V[b, s, h] over the slots of logical (B, n): (B, C, H, hd)
         fp32, V from the layer's V pages or, for a bank layer, its table rows by id."""
-        if reads.mode == BANK:
+        if reads.mode == BANK:  # the words of the ids' rows, unpacked: (H, B, n * P, hd)
             ids = _gathered(value_pool, pages("ids", logical))
-            table = attn.value.bank.embedding[...]
-            return attention.weighed_table_rows(p, ids, 0, table, jnp.float32)
-        values = _gathered(value_pool, pages(reads.values, logical))
+            rows = bank_words.unpack(bank[ids][:, :, 0], heads, bank_dtype)
+            values = jnp.moveaxis(rows.reshape(*ids.shape, heads, head_dim), 2, 0)
+        else:
+            values = _gathered(value_pool, pages(reads.values, logical))
         return jnp.einsum(
             "bhqs,hbsd->bqhd",
             p.astype(q.dtype),
@@ -233,7 +237,6 @@ def _attend(
     if columns > 1 or not paged_kernels.enabled():
         return gathers(q)
     k_group, v_group = layout.pool(reads.keys).group, layout.pool(reads.values).group
-    bank = attn.value.bank.embedding[...] if reads.mode == BANK else None
     kernel_reads = paged_kernels.PagedReads(
         k_pages=pools[reads.keys],
         values=pools[reads.values],
@@ -242,6 +245,7 @@ def _attend(
         positions=rows.positions[:, 0].astype(jnp.int32),
         window=window,
         bank=bank,
+        bank_dtype=bank_dtype,
     )
     return paged_kernels.decode_attention(q, kernel_reads, coef, gathers, span=span)
 
@@ -283,7 +287,8 @@ def hidden_paged(
             write(reads.values, attn.heads(v_new))
             if i == 0:
                 ctx = ctx._replace(v1=v_new)
-        y = _attend(attn, q, reads, pools, layout, inputs, rows, spans[reads.window], block_pages)
+        span, dtype = spans[reads.window], spec.compute_dtype
+        y = _attend(attn, q, reads, pools, layout, inputs, rows, span, block_pages, dtype)
         x = x + attn.output(y)
         x = x + block.mlp(layers.rms_norm(x))
     return x, pools

@@ -51,9 +51,10 @@ def window_kernel_bytes(window: int, shapes: list[str], result: str) -> float:
     pages = min(pages_touched(window + 1, page), width)
     slots = batch * pages * page * heads  # (row, slot, head) triples read
     keys = slots * head_dim * hlo.DTYPE_BYTES[k_dtype]
-    if bank:
-        bank_dtype = _dims(bank[0])[0]
-        values_read = slots * (hlo.DTYPE_BYTES["s32"] + head_dim * hlo.DTYPE_BYTES[bank_dtype])
+    if bank:  # a head's share of a row: its words (`bank_words`)
+        bank_dtype, bank_dims = _dims(bank[0])
+        row = bank_dims[-1] * hlo.DTYPE_BYTES[bank_dtype]
+        values_read = slots * (hlo.DTYPE_BYTES["s32"] + row // heads)
     else:
         values_read = slots * head_dim * hlo.DTYPE_BYTES[_dims(values)[0]]
     entries = 2 * batch * heads * pages * hlo.DTYPE_BYTES["s32"]
