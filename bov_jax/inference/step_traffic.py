@@ -40,24 +40,28 @@ def bank_kernel_bytes(shapes: list[str], result: str) -> float:
 def window_kernel_bytes(window: int, shapes: list[str], result: str) -> float:
     """The engine's kernels (`paged_kernels`): per row, the pages a window of `window` + 1
     positions touches (at most the table's width): their K pages and V pages, or their id
-    pages and one bank row of head width per slot and head; the positions, the tables'
-    entries and the queries it reads and its output. Operands: positions (B,), K and V
-    tables ((B, W), or (B * W,) cut to the window), q (B, H, hd), K pages (H, N, P, hd), V
-    pages or ids[, the bank]."""
+    pages and a head's words of a bank row per slot and head; the tables' entries of those
+    pages; the positions, the queries and the output. Operands: positions (B,), K and V
+    tables, q (B, H, hd), K pages (H, N, P, hd), V pages or ids[, the bank]. The GPU kernel
+    (tables (B, W)) runs a program per row and head, each reading its pages' entries and ids;
+    the TPU kernel (tables (B * W,), cut to the window) reads them once per page, all heads."""
     positions, k_tables, _, q, k_pages, values, *bank = shapes
     k_dtype, (heads, _, page, head_dim) = _dims(k_pages)
     batch = _dims(q)[1][0]
-    width = math.prod(_dims(k_tables)[1]) // batch
+    tables = _dims(k_tables)[1]
+    width = math.prod(tables) // batch
     pages = min(pages_touched(window + 1, page), width)
+    readers = 1 if len(tables) == 1 else heads  # who reads a page's entries and ids
     slots = batch * pages * page * heads  # (row, slot, head) triples read
     keys = slots * head_dim * hlo.DTYPE_BYTES[k_dtype]
-    if bank:  # a head's share of a row: its words (`bank_words`)
+    if bank:  # the ids, and a head's share of a row: its words (`bank_words`)
         bank_dtype, bank_dims = _dims(bank[0])
         row = bank_dims[-1] * hlo.DTYPE_BYTES[bank_dtype]
-        values_read = slots * (hlo.DTYPE_BYTES["s32"] + row // heads)
+        ids = batch * pages * page * readers * hlo.DTYPE_BYTES["s32"]
+        values_read = ids + slots * (row // heads)
     else:
         values_read = slots * head_dim * hlo.DTYPE_BYTES[_dims(values)[0]]
-    entries = 2 * batch * heads * pages * hlo.DTYPE_BYTES["s32"]
+    entries = 2 * batch * pages * readers * hlo.DTYPE_BYTES["s32"]
     small = hlo.shape_bytes(q) + hlo.shape_bytes(positions) + hlo.shape_bytes(result)
     return keys + values_read + entries + small
 
