@@ -229,8 +229,7 @@ def _attend(
         return (acc * scale).astype(q.dtype)
 
     def gathers(q: jax.Array) -> jax.Array:
-        # On NVIDIA GPUs the whole span at once (a decoding bank layer's rows, with the paged
-        # kernels switched off, through the bank kernel); elsewhere block by block.
+        # On NVIDIA GPUs the whole span at once; elsewhere block by block.
         blocked = functools.partial(xla, blocks=-(-span // block_pages))
         return jax.lax.platform_dependent(q, cuda=functools.partial(xla, blocks=1), default=blocked)
 

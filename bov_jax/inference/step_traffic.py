@@ -3,9 +3,8 @@
 `hlo.memory_traffic` counts each op outside a fusion by its operands and result. A Pallas
 kernel is a custom call whose operands are whole arrays of which it reads a part: the
 engine's paged kernels (`paged_kernels`, named with their window) read the pages a window
-touches and, for a bank layer, the rows its id pages name, not the pools; the bank kernel
-reads the table rows of the visible ids, not the table. Those are counted here by the parts
-they read; every other op as `hlo.op_traffic` counts it.
+touches and, for a bank layer, the rows its id pages name, not the pools and the bank. They
+are counted here by the parts they read; every other op as `hlo.op_traffic` counts it.
 """
 
 from __future__ import annotations
@@ -24,17 +23,6 @@ KERNEL_CALLS = ("xla.gpu.triton", "tpu_custom_call")
 
 def _dims(shape: str) -> tuple[str, tuple[int, ...]]:
     return next(hlo.arrays(shape))
-
-
-def bank_kernel_bytes(shapes: list[str], result: str) -> float:
-    """The bank kernel (`bank_gather.weighted_rows_kernel`): its weights (B, C, H), the
-    window of ids and the table rows it gathers (B x C x table width), its output."""
-    weights, _, _, table = shapes
-    _, (batch, slots, _) = _dims(weights)
-    dtype, (_, width) = _dims(table)
-    rows = batch * slots * width * hlo.DTYPE_BYTES[dtype]
-    ids = batch * slots * hlo.DTYPE_BYTES["s32"]
-    return hlo.shape_bytes(weights) + ids + rows + hlo.shape_bytes(result)
 
 
 def window_kernel_bytes(window: int, shapes: list[str], result: str) -> float:
@@ -73,8 +61,6 @@ def kernel_bytes(instruction: hlo.Instruction, shapes: dict[str, str]) -> float 
     named = re.search(rf"{KERNEL_NAME}_w(\d+)_", instruction.name + instruction.attributes)
     if named:
         return window_kernel_bytes(int(named.group(1)), operands, instruction.shape)
-    if len(operands) == 4 and len(_dims(operands[0])[1]) == 3:  # weights (B, C, H) first
-        return bank_kernel_bytes(operands, instruction.shape)
     return None
 
 
